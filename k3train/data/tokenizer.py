@@ -1,0 +1,108 @@
+"""Byte-level BPE tokenizer (Hugging Face ``tokenizers``), trained offline on the shipped corpus.
+
+The shipped ``assets/tokenizer.json`` has 4096 entries: ids 0, 1, 2 are ``<|bos|>``, ``<|eos|>``, ``<|pad|>``,
+then the 256 byte symbols, then merges. Byte-level BPE without a normalizer is lossless:
+``decode(encode(s)) == s`` for any string. Encoding adds no special tokens; the data pipeline appends EOS to
+every document itself. Re-train with ``tools/prepare_data.py --train-tokenizer``.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from k3train.data.corpus import ASSETS_DIR, DataError
+
+BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+SPECIAL_TOKENS = (BOS, EOS, PAD)
+DEFAULT_TOKENIZER = ASSETS_DIR / "tokenizer.json"
+DEFAULT_VOCAB_SIZE = 4096
+
+
+class TextTokenizer:
+    """Thin wrapper over a ``tokenizers.Tokenizer`` with the three special tokens the pipeline needs.
+
+    Attributes: ``vocab_size`` (int, including special tokens), ``bos_id``, ``eos_id``, ``pad_id``,
+    ``path`` and ``sha256`` (of the JSON file, used to tie a prepared dataset to its tokenizer).
+    """
+
+    def __init__(self, tok: Tokenizer, path: str = "<memory>", sha256: str = "") -> None:
+        self._tok = tok
+        self.path = path
+        self.sha256 = sha256
+        ids = {}
+        for name in SPECIAL_TOKENS:
+            i = tok.token_to_id(name)
+            if i is None:
+                raise DataError(f"tokenizer {path} has no special token {name!r}")
+            ids[name] = i
+        self.bos_id, self.eos_id, self.pad_id = ids[BOS], ids[EOS], ids[PAD]
+        self.vocab_size: int = tok.get_vocab_size(with_added_tokens=True)
+        self.special_ids = frozenset(ids.values())
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no special tokens added)."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of many texts at once (parallel in Rust)."""
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def __repr__(self) -> str:
+        return (f"TextTokenizer(path={self.path!r}, vocab_size={self.vocab_size}, bos={self.bos_id}, "
+                f"eos={self.eos_id}, pad={self.pad_id})")
+
+
+def file_sha256(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def load_tokenizer(path: str | Path = DEFAULT_TOKENIZER) -> TextTokenizer:
+    """Load a ``tokenizer.json``. Raises :class:`DataError` naming the file when missing or malformed."""
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"tokenizer file not found: {p} (train one with tools/prepare_data.py --train-tokenizer)")
+    try:
+        tok = Tokenizer.from_file(str(p))
+    except Exception as e:  # tokenizers raises a bare Exception for malformed JSON
+        raise DataError(f"cannot load tokenizer {p}: {str(e).splitlines()[0]}") from None
+    return TextTokenizer(tok, str(p), file_sha256(p))
+
+
+def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE,
+                        min_frequency: int = 2) -> Tokenizer:
+    """Train a byte-level BPE on ``texts``. Special tokens get ids 0..2; every byte is in the alphabet, so
+    any text encodes without unknown tokens."""
+    if vocab_size < len(SPECIAL_TOKENS) + 256:
+        raise DataError(f"vocab_size={vocab_size} is too small: byte-level BPE needs >= "
+                        f"{len(SPECIAL_TOKENS) + 256} (specials + 256 bytes)")
+    tok = Tokenizer(models.BPE())
+    # No normalizer and no prefix space: encoding is exactly invertible.
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def save_tokenizer(tok: Tokenizer, path: str | Path) -> None:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    tok.save(str(tmp), pretty=False)
+    tmp.replace(p)

@@ -1,0 +1,91 @@
+"""Per-step metrics: ``metrics.jsonl`` in the run directory, a compact live line on rank 0, optional wandb.
+
+``metrics.jsonl`` holds one JSON object per optimizer step with at least ``step, loss, lr, grad_norm,
+tokens_per_s, step_time_s, mfu, mem_gib`` plus whatever the parallel runtimes add (``p2p_bytes``, MoE load...).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def measure_peak_flops(device: torch.device, seconds: float = 0.3, n: int = 1024) -> float:
+    """Achieved fp32 matmul FLOP/s of this process on ``device`` -- the default MFU denominator when
+    ``logging.peak_flops`` is 0 (a measured peak is honest on CPUs whose spec sheet we do not know)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(2):
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    iters, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        iters += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return 2 * n**3 * iters / (time.perf_counter() - t0)
+
+
+def memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    # ru_maxrss is KiB on Linux: the process's peak resident set
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+class MetricsLogger:
+    def __init__(self, out_dir: Path, enabled: bool, wandb_cfg: Any | None, run_config: dict[str, Any],
+                 resume: bool) -> None:
+        self.enabled = enabled
+        self.wandb = None
+        self.path = out_dir / "metrics.jsonl"
+        self._f = None
+        self.tty = sys.stdout.isatty()
+        if not enabled:
+            return
+        self._f = open(self.path, "a" if resume else "w")
+        if wandb_cfg is not None and wandb_cfg.wandb:
+            mode = os.environ.get("WANDB_MODE", wandb_cfg.wandb_mode)
+            if mode != "disabled":
+                import wandb  # imported lazily: it is slow to import and optional at run time
+
+                self.wandb = wandb.init(project=wandb_cfg.wandb_project, mode=mode, dir=str(out_dir),
+                                        config=run_config, resume="allow")
+
+    def log(self, rec: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self._f.write(json.dumps(rec) + "\n")
+        self._f.flush()
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in rec.items() if isinstance(v, (int, float))}, step=rec["step"])
+
+    def progress(self, rec: dict[str, Any], total_steps: int) -> None:
+        if not self.enabled:
+            return
+        line = (f"step {rec['step']:>5}/{total_steps} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | "
+                f"gnorm {rec['grad_norm']:.3f} | {rec['tokens_per_s']:,.0f} tok/s | "
+                f"{rec['step_time_s'] * 1000:.0f} ms | mfu {rec['mfu'] * 100:.1f}% | mem {rec['mem_gib']:.2f} GiB")
+        if "p2p_bytes" in rec:
+            line += f" | p2p {rec['p2p_bytes'] / 2**20:.1f} MiB"
+        if "moe_maxvio" in rec:
+            line += f" | maxvio {rec['moe_maxvio']:.2f}"
+        print(line, flush=True)
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+        if self.wandb is not None:
+            self.wandb.finish()

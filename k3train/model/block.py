@@ -1,0 +1,78 @@
+"""One K3 layer: a token-mixer sublayer (KDA or Gated MLA) and an FFN sublayer (dense or Stable LatentMoE), each
+fed by its own Block AttnRes aggregation and pre-norm.
+
+    x_a = attn_norm(AttnRes_a(blocks + [partial]))         partial <- partial + attn(x_a)     (or attn(x_a) at a
+    x_f = ffn_norm(AttnRes_f(blocks + [partial]))          partial <- partial + ffn(x_f)       block start)
+    after the last layer of a block (every attn_res_block_size layers): blocks.append(partial); partial <- None
+
+FQNs inside ``layers.{i}``: ``attn_res.{query, key_norm.weight}``, ``attn_norm.weight``, ``attn.*``,
+``ffn_res.{query, key_norm.weight}``, ``ffn_norm.weight``, ``ffn.*``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from k3train.model.attnres import AttnRes, AttnResState
+from k3train.model.ffn import DenseFFN
+from k3train.model.kda import KDALayer
+from k3train.model.mla import MLA
+from k3train.model.moe import LatentMoE
+from k3train.model.norm import RMSNorm
+from k3train.model.seq import SeqInfo
+
+
+def build_mixer(cfg: Any, kind: str) -> nn.Module:
+    """The token mixer for a layer kind: ``'kda'`` -> :class:`KDALayer`, ``'mla'`` -> :class:`MLA`."""
+    if kind == "kda":
+        return KDALayer(cfg)
+    if kind == "mla":
+        return MLA(cfg)
+    raise ValueError(f"unknown layer kind {kind!r} (expected 'kda' or 'mla')")
+
+
+def build_ffn(cfg: Any, moe: bool) -> nn.Module:
+    """Stable LatentMoE for MoE layers, else the dense SiTU-GLU FFN of width ``intermediate_size``."""
+    return LatentMoE(cfg) if moe else DenseFFN.from_config(cfg)
+
+
+class K3Layer(nn.Module):
+    """Layer ``layer_idx`` (0-based) of the backbone: ``forward(state, seq) -> state`` (AttnResState in and out).
+
+    Shapes: every tensor of the state is ``[B, T, d]``. No communication of its own (CP goes through ``seq.cp``,
+    EP through the MoE's dispatcher).
+    """
+
+    def __init__(self, cfg: Any, layer_idx: int) -> None:
+        super().__init__()
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.layer_idx = layer_idx
+        self.kind = cfg.layer_kind(layer_idx)
+        self.block_size = cfg.attn_res_block_size
+        self.recompute = cfg.attn_res_recompute
+        self.attn_res = AttnRes(d, eps)
+        self.attn_norm = RMSNorm(d, eps)
+        self.attn = build_mixer(cfg, self.kind)
+        self.ffn_res = AttnRes(d, eps)
+        self.ffn_norm = RMSNorm(d, eps)
+        self.ffn = build_ffn(cfg, cfg.is_moe_layer(layer_idx))
+
+    @property
+    def ends_block(self) -> bool:
+        """Whether this layer's partial sum becomes a completed block."""
+        return (self.layer_idx + 1) % self.block_size == 0
+
+    def forward(self, state: AttnResState, seq: SeqInfo) -> AttnResState:
+        blocks = state.blocks
+        x = self.attn_res(state.sources(), self.attn_norm, self.recompute)
+        out = self.attn(x, seq)
+        partial = out if state.partial is None else state.partial + out
+        x = self.ffn_res([*blocks, partial], self.ffn_norm, self.recompute)
+        partial = partial + self.ffn(x)
+        if self.ends_block:
+            return AttnResState(blocks=[*blocks, partial], partial=None)
+        return AttnResState(blocks=list(blocks), partial=partial)
+
+    def extra_repr(self) -> str:
+        return f"layer={self.layer_idx}, kind={self.kind}, ends_block={self.ends_block}"

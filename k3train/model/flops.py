@@ -1,0 +1,148 @@
+"""Parameter bookkeeping and model FLOPs per token (for MFU).
+
+``param_breakdown(model, cfg)`` classifies every parameter of a (meta-built) :class:`K3Model` by FQN into
+components and computes total and active-per-token counts:
+
+* ``total``: backbone parameters, EXCLUDING the MTP layer and the vision encoder (the published 2.78T).
+* ``active``: ``total`` minus the input embedding (a lookup, not a matmul) minus the routed experts' unselected
+  share (each token uses ``num_experts_per_token / num_experts`` of every routed-expert stack) -- the published
+  104.2B.
+
+``model_flops_per_token(cfg, seq_len)`` is an analytic count from the config (tested equal to the module
+parameters): ``3 x forward``, forward = ``2 x active matmul parameters`` (incl. the LM head, excl. the embedding)
++ the sequence-mixing terms that do not live in parameters:
+
+* Gated MLA (non-absorbed training form), per token per layer: ``2 H (d_qk + d_v) * ctx`` with the causal mean
+  context ``ctx = (seq_len + 1) / 2`` (documents packed into a row are counted as if they were one document, the
+  usual MFU convention).
+* KDA (chunkwise form, chunk C), per token per head: ``2 C (2 d_k + d_v)`` intra-chunk (q k^T, k k^T, A v) +
+  ``6 d_k d_v`` inter-chunk (q S, W S, state update) -- an estimate of the algorithm's matmul work.
+* AttnRes aggregations (O(sources x d) elementwise work per sublayer) and norms are not counted.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+COMPONENTS = ("embedding", "kda", "mla", "dense_ffn", "shared_experts", "routed_experts", "router",
+              "latent_proj", "attnres", "norms", "lm_head", "mtp", "vision")
+
+
+def _classify(fqn: str, cfg: Any) -> str:
+    """Component name of a parameter FQN of :class:`K3Model`."""
+    parts = fqn.split(".")
+    head = parts[0]
+    if head == "embed_tokens":
+        return "embedding"
+    if head == "lm_head":
+        return "lm_head"
+    if head == "mtp":
+        return "mtp"
+    if head in ("vision", "vision_tower", "vit"):
+        return "vision"
+    if head == "final_attnres":
+        return "attnres"
+    if head == "norm":
+        return "norms"
+    if head == "layers" and len(parts) >= 4:
+        layer, sub = int(parts[1]), parts[2]
+        if sub in ("attn_res", "ffn_res"):
+            return "attnres"
+        if sub in ("attn_norm", "ffn_norm"):
+            return "norms"
+        if sub == "attn":
+            return cfg.layer_kind(layer)
+        if sub == "ffn":
+            if not cfg.is_moe_layer(layer):
+                return "dense_ffn"
+            part = parts[3]
+            if part == "router":
+                return "router"
+            if part == "experts":
+                return "routed_experts"
+            if part == "shared_experts":
+                return "shared_experts"
+            if part in ("latent_down", "latent_up", "latent_norm"):
+                return "latent_proj"
+    raise ValueError(f"param_breakdown: cannot classify parameter {fqn!r}")
+
+
+def param_breakdown(model: nn.Module, cfg: Any) -> dict[str, Any]:
+    """``{"total", "active", "total_with_mtp", "breakdown": {component: {"total", "active"}}}`` (ints).
+
+    Works on a meta-device model (only shapes are read). ``vision`` is 0 until a vision encoder is attached.
+    """
+    totals = {c: 0 for c in COMPONENTS}
+    for fqn, p in model.named_parameters():
+        totals[_classify(fqn, cfg)] += p.numel()
+    active = dict(totals)
+    active["embedding"] = 0
+    if cfg.num_experts > 0:
+        # integer: every layer's routed stack is num_experts equal experts
+        active["routed_experts"] = totals["routed_experts"] // cfg.num_experts * cfg.num_experts_per_token
+    backbone = [c for c in COMPONENTS if c not in ("mtp", "vision")]
+    return {
+        "total": sum(totals[c] for c in backbone),
+        "active": sum(active[c] for c in backbone),
+        "total_with_mtp": sum(totals[c] for c in backbone) + totals["mtp"],
+        "breakdown": {c: {"total": totals[c], "active": active[c] if c not in ("mtp", "vision") else 0}
+                      for c in COMPONENTS},
+    }
+
+
+# --------------------------------------------------------------------------------------------------------------
+# analytic counts from the config
+# --------------------------------------------------------------------------------------------------------------
+def _kda_matmul(cfg: Any) -> int:
+    d, H, K, r = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_decay_rank
+    hk = H * K
+    return 3 * d * hk + d * H + d * r + r * hk + d * hk + hk * d  # q,k,v; beta; decay down/up; gate; out
+
+
+def _mla_matmul(cfg: Any) -> int:
+    d, H = cfg.hidden_size, cfg.num_attention_heads
+    qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    q = d * cfg.q_lora_rank + cfg.q_lora_rank * H * qk if cfg.q_lora_rank > 0 else d * H * qk
+    kv = d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank * H * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    gate = d * H * cfg.v_head_dim if cfg.mla_use_output_gate else 0
+    return q + kv + gate + H * cfg.v_head_dim * d
+
+
+def _ffn_matmul(cfg: Any, layer: int) -> int:
+    """Active matmul parameters per token of layer ``layer``'s FFN."""
+    d = cfg.hidden_size
+    if not cfg.is_moe_layer(layer):
+        return 3 * d * cfg.intermediate_size
+    lat = cfg.routed_expert_hidden_size
+    routed = cfg.num_experts_per_token * 3 * lat * cfg.moe_intermediate_size
+    shared = cfg.num_shared_experts * 3 * d * cfg.shared_expert_intermediate_size
+    return d * cfg.num_experts + 2 * d * lat + routed + shared  # router, latent down+up, experts
+
+
+def active_matmul_params(cfg: Any, include_mtp: bool = True) -> int:
+    """Matmul parameters one token passes through (routed experts: only the k selected), incl. the LM head."""
+    n = 0
+    for i in range(cfg.num_hidden_layers):
+        n += (_mla_matmul(cfg) if cfg.layer_kind(i) == "mla" else _kda_matmul(cfg)) + _ffn_matmul(cfg, i)
+    n += cfg.hidden_size * cfg.vocab_size  # LM head
+    if include_mtp and cfg.num_nextn_predict_layers > 0:
+        d = cfg.hidden_size
+        n += 2 * d * d + _mla_matmul(cfg) + _ffn_matmul(cfg, cfg.num_hidden_layers - 1) + d * cfg.vocab_size
+    return n
+
+
+def attention_flops_per_token(cfg: Any, seq_len: int, include_mtp: bool = True) -> float:
+    """Forward sequence-mixing FLOPs per token not captured by parameters (see module docstring)."""
+    ctx = (seq_len + 1) / 2
+    mla = 2 * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim) * ctx
+    K, V, C = cfg.kda_head_dim, cfg.kda_head_dim, min(cfg.kda_chunk_size, seq_len)
+    kda = cfg.kda_num_heads * (2 * C * (2 * K + V) + 6 * K * V)
+    n_mla = sum(1 for i in range(cfg.num_hidden_layers) if cfg.layer_kind(i) == "mla")
+    n_mla += 1 if include_mtp and cfg.num_nextn_predict_layers > 0 else 0
+    return n_mla * mla + (cfg.num_hidden_layers - len(cfg.full_attn_layers)) * kda
+
+
+def model_flops_per_token(cfg: Any, seq_len: int, include_mtp: bool = True) -> float:
+    """Training FLOPs (forward + backward = 3 x forward) per token for MFU."""
+    return 3.0 * (2.0 * active_matmul_params(cfg, include_mtp) + attention_flops_per_token(cfg, seq_len, include_mtp))

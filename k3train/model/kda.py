@@ -1,0 +1,138 @@
+"""KDA layer (Kimi Delta Attention, K3 variant): projections, ShortConv, decay, chunked delta rule, output gate.
+
+Per token ``x [d]`` and head ``h`` (``H = kda_num_heads``, ``K = V = kda_head_dim``)::
+
+    q = L2Norm(Swish(ShortConv(W_q x)))      k = L2Norm(Swish(ShortConv(W_k x)))      v = Swish(ShortConv(W_v x))
+    beta = sigmoid(W_b x)                                    [H]
+    z = W_a_up W_a_down x + b_a                              [H, K]  (low rank kda_decay_rank, bias per head+channel)
+    g = g_min * sigmoid(exp(A_h) * z)        (K3, "lower_bounded": g in (g_min, 0))
+      = -exp(A_h) * softplus(z)              (Kimi Linear, "softplus")
+    o = KDA(q, k, v, g, beta)                S_t = (I - b k k^T) Diag(exp(g_t)) S_{t-1} + b k v^T,  o_t = S_t^T q_t * K^-0.5
+    y = W_o [sigmoid(W_g x) * RMSNorm_V(o)]  (K3's full-rank output gate; RMSNorm per head over V, shared weight)
+
+Parameter names follow HF Kimi Linear (``q_proj``, ``q_conv1d``, ``f_a_proj``/``f_b_proj`` = W_a_down/W_a_up,
+``dt_bias`` = b_a, ``A_log`` = A_h, ``b_proj``, ``o_norm``, ``o_proj``); the full-rank gate is ``g_proj``.
+The core op is :func:`k3train.ops.kda.chunk_kda` on the flattened ``[1, B*T]`` layout with ``seq.cu_seqlens``, so
+the state resets at every document and row start. Under KDA context parallelism (``seq.cp``) the conv takes its
+left halo from ``seq.cp.conv_halo`` and the core op is ``seq.cp.kda`` (it carries the state across ranks).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3train.model.conv import ShortConv
+from k3train.model.norm import RMSNorm
+from k3train.model.seq import SeqInfo
+from k3train.ops.kda import chunk_kda
+from k3train.optim.param_groups import mark_per_head
+
+
+def _acc(x: torch.Tensor) -> torch.Tensor:
+    """At least fp32 (float64 stays float64, so reference tests can run the whole layer in double)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last dim, computed in fp32 (the flash-linear-attention convention)."""
+    xf = _acc(x)
+    return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def kda_decay(z: torch.Tensor, A_log: torch.Tensor, form: str, lower_bound: float) -> torch.Tensor:
+    """Log decay ``g [..., H, K]`` from the logit ``z [..., H, K]`` and per-head log scale ``A_log [H]`` (>= fp32).
+
+    ``lower_bounded`` (K3): ``g = lower_bound * sigmoid(exp(A) z)`` in (lower_bound, 0), so a 16-token sub-tile's
+    cumulative log decay stays above 16 * lower_bound = -80 (its inverse fits bf16). ``softplus`` (Kimi Linear):
+    ``g = -exp(A) softplus(z)``, unbounded below.
+    """
+    scale = _acc(A_log).exp()[:, None]  # [H, 1]
+    zf = _acc(z)
+    if form == "lower_bounded":
+        return lower_bound * torch.sigmoid(scale * zf)
+    if form == "softplus":
+        return -scale * F.softplus(zf)
+    raise ValueError(f"model.kda_decay_form must be 'lower_bounded' or 'softplus', got {form!r}")
+
+
+class KDALayer(nn.Module):
+    """The KDA token mixer of one K3 layer: ``x [B, T, d] -> y [B, T, d]`` given ``seq: SeqInfo``.
+
+    Communication: none by itself; under CP it calls ``seq.cp.conv_halo`` / ``seq.cp.kda`` (the CP group lives in
+    that object). ``kda_op`` (default :func:`chunk_kda`) is an attribute so tests and inference can swap in the
+    token-loop reference.
+    """
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        d, H, K = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim
+        if H <= 0 or K <= 0:
+            raise ValueError(f"model.kda_num_heads ({H}) and model.kda_head_dim ({K}) must be > 0")
+        if cfg.kda_decay_rank <= 0:
+            raise ValueError(f"model.kda_decay_rank must be > 0, got {cfg.kda_decay_rank}")
+        if not cfg.use_full_rank_gate:
+            raise ValueError("model.use_full_rank_gate=false (Kimi Linear's low-rank gate) is not implemented")
+        self.hidden_size, self.num_heads, self.head_dim = d, H, K
+        self.decay_form, self.gate_lower_bound = cfg.kda_decay_form, float(cfg.gate_lower_bound)
+        kda_decay(torch.zeros(1, 1), torch.zeros(1), self.decay_form, self.gate_lower_bound)  # validate the form
+        hk = H * K
+        self.q_proj = nn.Linear(d, hk, bias=False)
+        self.k_proj = nn.Linear(d, hk, bias=False)
+        self.v_proj = nn.Linear(d, hk, bias=False)
+        self.q_conv1d = ShortConv(hk, cfg.short_conv_kernel_size)
+        self.k_conv1d = ShortConv(hk, cfg.short_conv_kernel_size)
+        self.v_conv1d = ShortConv(hk, cfg.short_conv_kernel_size)
+        self.b_proj = nn.Linear(d, H, bias=False)
+        self.f_a_proj = nn.Linear(d, cfg.kda_decay_rank, bias=False)  # W_a_down
+        self.f_b_proj = nn.Linear(cfg.kda_decay_rank, hk, bias=False)  # W_a_up
+        self.dt_bias = nn.Parameter(torch.zeros(hk))  # b_a, per head and key channel
+        self.A_log = nn.Parameter(torch.zeros(H))  # A_h, per head, init 0
+        self.g_proj = nn.Linear(d, hk, bias=False)  # full-rank output gate W_g
+        self.o_norm = RMSNorm(K, cfg.rms_norm_eps)
+        self.o_proj = nn.Linear(hk, d, bias=False)
+        # Per-head Muon orthogonalises each head's rows of W_q, W_k, W_v separately (rows are head-major).
+        for w in (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight):
+            mark_per_head(w, H)
+        # (q, k, v, g, beta, *, scale, cu_seqlens) -> (o, final_state); the token-loop reference fits too.
+        self.kda_op: Callable[..., Any] = functools.partial(chunk_kda, chunk_size=cfg.kda_chunk_size)
+
+    def forward(self, x: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, K = self.num_heads, self.head_dim
+        cp = seq.cp
+        q = self._conv(self.q_conv1d, self.q_proj(x), seq)
+        k = self._conv(self.k_conv1d, self.k_proj(x), seq)
+        v = self._conv(self.v_conv1d, self.v_proj(x), seq)
+        q = l2norm(F.silu(q).view(B, T, H, K))
+        k = l2norm(F.silu(k).view(B, T, H, K))
+        v = F.silu(v).view(B, T, H, K)
+        beta = torch.sigmoid(_acc(self.b_proj(x)))  # [B, T, H]
+        z = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K) + self.dt_bias.view(H, K)
+        g = kda_decay(z, self.A_log, self.decay_form, self.gate_lower_bound)  # fp32 (fp64) [B, T, H, K]
+        scale = K ** -0.5
+        if cp is not None:
+            o = cp.kda(q, k, v, g, beta, scale, seq)
+        else:
+            # Flattened varlen layout: one "batch" of B*T tokens, documents (and rows) delimited by cu_seqlens.
+            flat = [t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, beta)]
+            o, _ = self.kda_op(*flat, scale=scale, cu_seqlens=seq.cu_seqlens)
+            o = o.view(B, T, H, K)
+        gate = torch.sigmoid(self.g_proj(x)).view(B, T, H, K)
+        o = self.o_norm(o.to(x.dtype)) * gate
+        return self.o_proj(o.reshape(B, T, H * K))
+
+    @staticmethod
+    def _conv(conv: ShortConv, x: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
+        halo = None
+        if seq.cp is not None and conv.kernel_size > 1:
+            # The previous CP rank's last K-1 tokens of this row (doc -1 where there is none).
+            halo = seq.cp.conv_halo(x, conv.kernel_size - 1)
+        return conv(x, seq.doc_ids, halo)
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.num_heads}, head_dim={self.head_dim}, decay={self.decay_form}"
+                f"(lower_bound={self.gate_lower_bound})")

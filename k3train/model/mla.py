@@ -1,0 +1,174 @@
+"""Gated MLA: DeepSeek-style multi-head latent attention, NoPE, with a full-rank sigmoid output gate.
+
+Per token ``x [d]``, ``H`` heads, ``Dn = qk_nope_head_dim``, ``Dr = qk_rope_head_dim``, ``Dv = v_head_dim``::
+
+    q      = W_uq RMSNorm(W_dq x)                     [H, Dn + Dr]      (q_lora_rank = 0: q = W_q x)
+    latent = W_dkv x = [c_kv (kv_lora_rank) ; k_pe (Dr)]                 <- the only per-token KV cache (576 in K3)
+    [k_nope ; v] = W_ukv RMSNorm(c_kv)                [H, Dn + Dv]
+    k      = [k_nope ; k_pe broadcast over heads]     [H, Dn + Dr]
+    o      = softmax(q k^T * (Dn + Dr)^-0.5 + mask) v      mask: key_pos <= query_pos and key_doc == query_doc
+    y      = W_o [sigmoid(W_g x) * o]
+
+NoPE (``mla_use_nope``): no rotary embedding is applied; the "rope" slot keeps its dimensions (it is part of the
+cached latent and of the q.k product) so checkpoints keep the published shapes. The attention itself is one
+function, :func:`attention_core`, computed in fp32 (K3 keeps attention outputs in FP32 in training), so a GPU flash
+kernel can replace it. Parameter names follow HF DeepSeek-V3 (``q_a_proj`` = W_dq, ``q_b_proj`` = W_uq,
+``kv_a_proj_with_mqa`` = W_dkv, ``kv_b_proj`` = W_ukv); the gate is ``g_proj``.
+
+QK-Clip: ``qk_max [H]`` (non-persistent buffer) holds the running max of pre-softmax logits per head since the
+optimizer last reset it, updated under ``no_grad`` in training when ``track_qk_max`` is set.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3train.model.norm import RMSNorm
+from k3train.model.seq import SeqInfo
+from k3train.optim.param_groups import mark_per_head
+
+
+@dataclass
+class MaskInfo:
+    """What the causal + document mask needs: ``[B, Tq]`` query and ``[B, Tk]`` key document ids and positions."""
+
+    q_doc: torch.Tensor
+    q_pos: torch.Tensor
+    k_doc: torch.Tensor
+    k_pos: torch.Tensor
+
+    def dense(self) -> torch.Tensor:
+        """Boolean ``[B, 1, Tq, Tk]``, True where the query may attend to the key."""
+        causal = self.k_pos[:, None, :] <= self.q_pos[:, :, None]
+        same_doc = self.k_doc[:, None, :] == self.q_doc[:, :, None]
+        return (causal & same_doc)[:, None]
+
+
+def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_info: MaskInfo,
+                   scale: float) -> torch.Tensor:
+    """Masked softmax attention in fp32.
+
+    Shapes: ``q [B, H, Tq, Dqk]``, ``k [B, H, Tk, Dqk]``, ``v [B, H, Tk, Dv]`` -> ``[B, H, Tq, Dv]`` (fp32).
+    Every query sees at least itself (its own key is among the keys and passes the mask), so no row is empty.
+    """
+    out_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return F.scaled_dot_product_attention(q.to(out_dtype), k.to(out_dtype), v.to(out_dtype),
+                                          attn_mask=mask_info.dense(), scale=scale)
+
+
+@torch.no_grad()
+def masked_logit_max(q: torch.Tensor, k: torch.Tensor, mask_info: MaskInfo, scale: float) -> torch.Tensor:
+    """Max pre-softmax logit per head over the allowed (query, key) pairs: ``[H]`` (fp32).
+
+    A separate matmul (only run when QK-Clip tracking is on); a flash kernel would return it as a by-product.
+    """
+    logits = torch.einsum("bhqd,bhkd->bhqk", q.float(), k.float()) * scale
+    logits = logits.masked_fill(~mask_info.dense(), float("-inf"))
+    return logits.amax(dim=(0, 2, 3))
+
+
+class MLA(nn.Module):
+    """Gated MLA token mixer: ``x [B, T, d] -> y [B, T, d]`` given ``seq: SeqInfo``.
+
+    Communication: none by itself; under CP it calls ``seq.cp.gather_latent(latent)`` (autograd-aware all-gather of
+    the ``[B, T, kv_lora_rank + qk_rope_head_dim]`` latent over the CP group held by that object).
+    """
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        if not cfg.mla_use_nope:
+            raise ValueError("model.mla_use_nope=false (rotary MLA) is not implemented; K3 uses NoPE")
+        d, H = cfg.hidden_size, cfg.num_attention_heads
+        self.num_heads, self.q_lora_rank, self.kv_lora_rank = H, cfg.q_lora_rank, cfg.kv_lora_rank
+        self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.qk_dim = self.nope_dim + self.rope_dim
+        if H <= 0 or self.qk_dim <= 0 or self.v_dim <= 0:
+            raise ValueError(f"model.num_attention_heads ({H}), qk head dim ({self.qk_dim}) and v_head_dim "
+                             f"({self.v_dim}) must be > 0")
+        self.scale = self.qk_dim ** -0.5
+        if self.q_lora_rank > 0:
+            self.q_a_proj = nn.Linear(d, self.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = nn.Linear(self.q_lora_rank, H * self.qk_dim, bias=False)
+            q_heads = self.q_b_proj.weight
+        else:
+            self.q_proj = nn.Linear(d, H * self.qk_dim, bias=False)
+            q_heads = self.q_proj.weight
+        self.kv_a_proj_with_mqa = nn.Linear(d, self.kv_lora_rank + self.rope_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, H * (self.nope_dim + self.v_dim), bias=False)
+        self.use_output_gate = bool(cfg.mla_use_output_gate)
+        if self.use_output_gate:
+            self.g_proj = nn.Linear(d, H * self.v_dim, bias=False)
+        self.o_proj = nn.Linear(H * self.v_dim, d, bias=False)
+        # Per-head Muon: rows of W_uq are [head][nope+rope]; rows of W_ukv are [head][k_nope ; v], and the k_nope
+        # and v rows of a head are different projections, so they are orthogonalised as separate segments.
+        mark_per_head(q_heads, H)
+        mark_per_head(self.kv_b_proj.weight, H,
+                      segments=(self.nope_dim, self.v_dim) if self.nope_dim > 0 else None)
+        self.register_buffer("qk_max", torch.zeros(H), persistent=False)
+        self.track_qk_max = True
+
+    def reset_buffers(self) -> None:
+        """Zero ``qk_max`` (after ``to_empty`` on a meta-built model; the optimizer resets it after each step)."""
+        with torch.no_grad():
+            self.qk_max.zero_()
+
+    def qk_clip_params(self) -> list[tuple[torch.Tensor, int, int, int, int, str]]:
+        """QK-Clip targets (protocol of :mod:`k3train.optim.qk_clip`): per head, the q_nope rows and the k_nope rows
+        of W_ukv scale by sqrt(gamma), the q rope-slot rows by gamma (the shared k_pe in W_dkv is left alone)."""
+        H, dn, dr, dv = self.num_heads, self.nope_dim, self.rope_dim, self.v_dim
+        wq = self.q_b_proj.weight if self.q_lora_rank > 0 else self.q_proj.weight
+        out = [(wq, H, dn + dr, 0, dn, "q")] if dn > 0 else []
+        if dr > 0:
+            out.append((wq, H, dn + dr, dn, dr, "q_rope"))
+        if dn > 0:
+            out.append((self.kv_b_proj.weight, H, dn + dv, 0, dn, "k"))
+        return out
+
+    # ---------------------------------------------------------------------------------------------------------
+    def project_q(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [B, T, d] -> q [B, T, H, Dn + Dr]``."""
+        B, T, _ = x.shape
+        if self.q_lora_rank > 0:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        else:
+            q = self.q_proj(x)
+        return q.view(B, T, self.num_heads, self.qk_dim)
+
+    def expand_latent(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latent ``[B, Tk, kv_lora_rank + Dr]`` -> keys ``[B, Tk, H, Dn + Dr]``, values ``[B, Tk, H, Dv]``."""
+        B, Tk, _ = latent.shape
+        H = self.num_heads
+        c_kv, k_pe = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(c_kv)).view(B, Tk, H, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe[:, :, None, :].expand(B, Tk, H, self.rope_dim)], dim=-1)
+        return k, v
+
+    def forward(self, x: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.project_q(x)
+        latent = self.kv_a_proj_with_mqa(x)
+        if seq.cp is not None:
+            latent, key_doc, key_pos = seq.cp.gather_latent(latent)
+        else:
+            key_doc, key_pos = seq.doc_ids, seq.positions
+        k, v = self.expand_latent(latent)
+        mask = MaskInfo(q_doc=seq.doc_ids, q_pos=seq.positions, k_doc=key_doc, k_pos=key_pos)
+        qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
+        if self.training and self.track_qk_max:
+            self.qk_max.copy_(torch.maximum(self.qk_max, masked_logit_max(qh, kh, mask, self.scale)))
+        o = attention_core(qh, kh, vh, mask, self.scale)  # fp32 [B, H, T, Dv]
+        o = o.transpose(1, 2).reshape(B, T, self.num_heads * self.v_dim)
+        if self.use_output_gate:
+            o = torch.sigmoid(self.g_proj(x)) * o
+        return self.o_proj(o.to(x.dtype))
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.num_heads}, q_lora={self.q_lora_rank}, kv_lora={self.kv_lora_rank}, "
+                f"nope={self.nope_dim}, rope={self.rope_dim} (NoPE), v={self.v_dim}, gate={self.use_output_gate}")

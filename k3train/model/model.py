@@ -1,0 +1,146 @@
+"""``K3Model``: the Kimi K3 backbone (+ optional MTP layer) as a plain ``nn.Module`` with pipeline seams.
+
+    tokens -> embed_tokens -> AttnResState(blocks=[emb])
+           -> layers.0 .. layers.{L-1}          (K3Layer: KDA or Gated MLA + dense FFN or LatentMoE, Block AttnRes)
+           -> final_attnres (aggregate all blocks + partial) -> norm -> lm_head -> logits
+           -> mtp (optional): predicts token t+2 from [final aggregation ; Emb(token t+1)]
+
+The stage seam is the :class:`AttnResState` (completed blocks + partial sum): a pipeline stage runs
+``forward_layers(state, start, end, seq)`` for any cut; the first stage calls ``embed`` and the last
+``loss_sums``. ``layers`` is an ``nn.ModuleDict`` keyed by the global layer index so a pruned model (pipeline
+chunk) keeps the full model's FQNs; pruned top-level parts are set to ``None``.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3train.model.attnres import AttnRes, AttnResState
+from k3train.model.block import K3Layer
+from k3train.model.init import init_model_weights
+from k3train.model.mtp import MTPLayer
+from k3train.model.norm import RMSNorm
+from k3train.model.seq import SeqInfo
+
+log = logging.getLogger(__name__)
+
+
+def masked_ce_sum(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``sum_t mask_t * CE(logits_t, labels_t)`` in fp32. ``logits [B, T, V]``, ``labels/mask [B, T]``.
+
+    Labels at masked-out positions may hold anything (e.g. -100 or pad); they are clamped into the vocabulary so
+    the lookup is valid and then multiplied by a zero mask.
+    """
+    V = logits.shape[-1]
+    ce = F.cross_entropy(logits.float().reshape(-1, V), labels.reshape(-1).clamp(0, V - 1), reduction="none")
+    return (ce * mask.reshape(-1).to(ce.dtype)).sum()
+
+
+class K3Model(nn.Module):
+    """The K3 language model. ``cfg`` is a validated :class:`k3train.config.ModelConfig`.
+
+    Public methods (the contract's model seams): ``embed``, ``forward_layers``, ``final_hidden``, ``loss_sums``,
+    ``forward``, ``init_weights``. No torch.distributed calls; parallelism is applied from outside.
+    """
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        L = cfg.num_hidden_layers
+        if len(cfg.kda_layers) + len(cfg.full_attn_layers) != L:
+            raise ValueError("model config has no layer plan (kda_layers/full_attn_layers): build it through "
+                             "load_config / Config.validate()")
+        if cfg.tie_word_embeddings:
+            raise ValueError("model.tie_word_embeddings=true is not supported (K3 unties embedding and LM head)")
+        self.cfg = cfg
+        d, V = cfg.hidden_size, cfg.vocab_size
+        self.block_size = cfg.attn_res_block_size
+        self.recompute = cfg.attn_res_recompute
+        self.embed_tokens: nn.Embedding | None = nn.Embedding(V, d)
+        self.layers = nn.ModuleDict({str(i): K3Layer(cfg, i) for i in range(L)})
+        self.final_attnres: AttnRes | None = AttnRes(d, cfg.rms_norm_eps)
+        self.norm: RMSNorm | None = RMSNorm(d, cfg.rms_norm_eps)
+        self.lm_head: nn.Linear | None = nn.Linear(d, V, bias=False)
+        self.mtp: MTPLayer | None = MTPLayer(cfg) if cfg.num_nextn_predict_layers > 0 else None
+
+    # ---------------------------------------------------------------------------------------------------------
+    # stage seams
+    def embed(self, tokens: torch.Tensor) -> AttnResState:
+        """``tokens [B, T]`` -> the state before layer 0 (``blocks = [embedding]``, no partial sum)."""
+        if self.embed_tokens is None:
+            raise RuntimeError("embed() called on a model chunk without embed_tokens")
+        return AttnResState(blocks=[self.embed_tokens(tokens)], partial=None)
+
+    def forward_layers(self, state: AttnResState, start: int, end: int, seq: SeqInfo) -> AttnResState:
+        """Run layers ``[start, end)`` (global indices) on ``state`` (canonical for ``start``)."""
+        if not 0 <= start <= end <= self.cfg.num_hidden_layers:
+            raise ValueError(f"layer range [{start}, {end}) outside 0..{self.cfg.num_hidden_layers}")
+        state.check_canonical(start, self.block_size)
+        for i in range(start, end):
+            key = str(i)
+            if key not in self.layers:
+                raise RuntimeError(f"layer {i} is not held by this model chunk (held: {list(self.layers.keys())})")
+            state = self.layers[key](state, seq)
+        return state
+
+    def final_aggregate(self, state: AttnResState) -> torch.Tensor:
+        """Final AttnRes over all blocks (+ the last partial sum), before the final norm: ``[B, T, d]``."""
+        if self.final_attnres is None:
+            raise RuntimeError("final_aggregate() called on a model chunk without final_attnres")
+        state.check_canonical(self.cfg.num_hidden_layers, self.block_size)
+        return self.final_attnres(state.sources(), None, self.recompute)
+
+    def final_hidden(self, state: AttnResState) -> torch.Tensor:
+        """``norm(final AttnRes aggregation)``: the LM head's input ``[B, T, d]``."""
+        return self.norm(self.final_aggregate(state))
+
+    def loss_sums(self, state: AttnResState, batch: Any, seq: SeqInfo) -> dict[str, torch.Tensor]:
+        """Summed token losses of one micro-batch (the caller divides by GLOBAL token counts).
+
+        Returns scalars: ``lm_loss_sum`` (CE of next-token prediction over ``batch.loss_mask``), ``lm_tokens``;
+        ``mtp_loss_sum`` (CE of token t+2 over ``batch.mtp_loss_mask``, 0 without MTP), ``mtp_tokens``.
+        """
+        if self.lm_head is None or self.norm is None:
+            raise RuntimeError("loss_sums() called on a model chunk without the LM head")
+        agg = self.final_aggregate(state)
+        logits = self.lm_head(self.norm(agg))
+        out = {
+            "lm_loss_sum": masked_ce_sum(logits, batch.labels, batch.loss_mask),
+            "lm_tokens": batch.loss_mask.float().sum(),
+        }
+        if self.mtp is not None:
+            if self.embed_tokens is None:
+                raise RuntimeError("the MTP layer needs the (shared) embed_tokens on the last pipeline stage")
+            next_emb = self.embed_tokens(batch.labels.clamp(0, self.cfg.vocab_size - 1))
+            mtp_logits = self.lm_head(self.mtp(agg, next_emb, seq))
+            out["mtp_loss_sum"] = masked_ce_sum(mtp_logits, batch.mtp_labels, batch.mtp_loss_mask)
+            out["mtp_tokens"] = batch.mtp_loss_mask.float().sum()
+        else:
+            out["mtp_loss_sum"] = logits.new_zeros((), dtype=torch.float32)
+            out["mtp_tokens"] = logits.new_zeros((), dtype=torch.float32)
+        return out
+
+    def forward(self, batch: Any) -> dict[str, torch.Tensor]:
+        """Single-process reference: embed -> all layers -> loss sums, plus ``loss`` = the micro-batch's own mean
+        (``lm_loss_sum / lm_tokens + mtp_loss_weight * mtp_loss_sum / mtp_tokens``)."""
+        seq = SeqInfo.from_doc_ids(batch.doc_ids, batch.positions)
+        state = self.forward_layers(self.embed(batch.tokens), 0, self.cfg.num_hidden_layers, seq)
+        out = self.loss_sums(state, batch, seq)
+        loss = out["lm_loss_sum"] / out["lm_tokens"].clamp_min(1)
+        if self.mtp is not None:
+            loss = loss + self.cfg.mtp_loss_weight * out["mtp_loss_sum"] / out["mtp_tokens"].clamp_min(1)
+        out["loss"] = loss
+        return out
+
+    # ---------------------------------------------------------------------------------------------------------
+    def init_weights(self, seed: int) -> None:
+        """Initialise every parameter (and reset buffers) from generators seeded by ``(seed, FQN)``: a pruned,
+        pipeline-split or meta-built-then-materialised model gets the same values as the full one."""
+        init_model_weights(self, self.cfg, seed)
+
+    def routers(self) -> list[tuple[str, nn.Module]]:
+        """``(fqn, Router)`` of every MoE layer held by this chunk (for QB statistics all-reduce)."""
+        return [(n, m) for n, m in self.named_modules() if hasattr(m, "balance_stats") and hasattr(m, "balance_step")]

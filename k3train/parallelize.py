@@ -1,0 +1,129 @@
+"""Apply the parallel layout to a K3 model from outside: pipeline split (PP/VPP), expert parallel (EP, MoonEP),
+context parallel (KCP), and hand the trainer one :class:`ParallelModel`.
+
+The model itself (``k3train/model``) is plain ``nn.Module``s; everything distributed lives in ``parallel/``,
+``moonep/`` and ``kcp/`` and is wired here:
+
+* the pipeline runner builds this rank's stage (meta-built, pruned to the owned layers, name-seeded init, so
+  values and parameter names match the single-process model) and runs the schedule;
+* MoonEP shards each LatentMoE's experts over the ``ep`` group and installs its dispatcher;
+* under CP every micro-batch's ``SeqInfo`` carries a :class:`kcp.KCPContext` over the ``cp`` group;
+* Pipeline ZeRO-2: the runner calls ``optimizer.reduce_chunk_grads`` as each chunk's gradients become final.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from k3train.config import Config
+from k3train.model.flops import model_flops_per_token
+from k3train.model.seq import SeqInfo
+from parallel.dims import ParallelDims
+from parallel.pipeline.loss_norm import LossNorm
+from parallel.pipeline.runner import StepRunner, build_step_runner
+
+log = logging.getLogger(__name__)
+
+
+def make_seq_builder(dims: ParallelDims) -> Callable[[Any], SeqInfo]:
+    """``batch -> SeqInfo``; attaches a KCP context (collective over ``cp``) when context parallel is on."""
+    if dims.cp == 1:
+        return lambda b: SeqInfo.from_doc_ids(b.doc_ids, b.positions)
+    from kcp import KCPContext
+
+    def build(b: Any) -> SeqInfo:
+        return SeqInfo.from_doc_ids(b.doc_ids, b.positions, cp=KCPContext.from_batch(b, dims))
+
+    return build
+
+
+@dataclass
+class ParallelModel:
+    cfg: Config
+    dims: ParallelDims
+    runner: StepRunner
+    ep_state: Any = None
+    flops_per_token: float = 0.0
+    _mesh_sd: dict[str, Any] | None = field(default=None, repr=False)
+
+    @property
+    def model(self) -> nn.Module:
+        return self.runner.model
+
+    @property
+    def modules(self) -> list[nn.Module]:
+        return self.runner.modules
+
+    def grad_group_fn(self, name: str, param: nn.Parameter) -> str:
+        """Which group a parameter's gradient is summed (and its ZeRO owner chosen) over."""
+        from moonep import is_expert_param
+
+        return "edp" if is_expert_param(param) else "dp_cp"
+
+    def set_chunk_backward_hook(self, optimizer: Any) -> None:
+        if self.cfg.parallel.zero == 2:
+            self.runner.on_chunk_backward_done = optimizer.reduce_chunk_grads
+
+    def forward_backward(self, micro_batches: list[Any], norm: LossNorm) -> dict[str, Any]:
+        return self.runner.forward_backward(micro_batches, norm)
+
+    def sync_router_balance(self) -> dict[str, Any]:
+        """All-reduce Quantile-Balancing statistics over every rank routing the layer; new biases next step."""
+        from moonep import collect_moonep_metrics, sync_router_balance
+
+        m = sync_router_balance(self.modules, self.dims)
+        out: dict[str, Any] = {}
+        if "router/maxvio_max" in m:
+            out["moe_maxvio"] = m["router/maxvio_max"]
+            out["moe_maxvio_mean"] = m["router/maxvio_mean"]
+        if self.dims.ep > 1:
+            out.update({k: v for k, v in collect_moonep_metrics(self.modules).items()
+                        if isinstance(v, (int, float)) and "/layer" not in k})
+        return out
+
+    def qk_clip(self, optimizer: Any) -> dict[str, Any]:
+        return optimizer.qk_clip(self.modules) if hasattr(optimizer, "qk_clip") else {}
+
+    # checkpoints: full-model FQNs; routed-expert shards as DTensors over the EP mesh
+    def state_dict(self) -> dict[str, Any]:
+        if self.dims.ep > 1:
+            from moonep import dcp_state_dict
+
+            sd = dcp_state_dict(self.model, self.dims, self.ep_state)
+        else:
+            sd = self.model.state_dict()
+        # the last stage's copy of the MTP-shared embedding is saved once (by the first stage)
+        replica = {id(p) for p in self.runner.replica_params}
+        for name, p in self.model.named_parameters():
+            if id(p) in replica:
+                sd.pop(name, None)
+        return sd
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """``dcp.load`` already copied into the tensors of :meth:`state_dict` (they share storage with the
+        parameters); copy again for safety and refresh the replica embedding from its source."""
+        own = self.model.state_dict()
+        with torch.no_grad():
+            for k, v in sd.items():
+                local = v.to_local() if hasattr(v, "to_local") else v
+                if k in own and own[k].data_ptr() != local.data_ptr():
+                    own[k].copy_(local)
+        if self.runner.replica_params and hasattr(self.runner, "sync_replica_weights"):
+            self.runner.sync_replica_weights()
+
+
+def parallelize(cfg: Config, dims: ParallelDims, device: torch.device) -> ParallelModel:
+    """Build this rank's part of the model with every parallel dimension applied (collective)."""
+    runner = build_step_runner(None, cfg, dims, make_seq=make_seq_builder(dims), device=device,
+                               num_microbatches=cfg.train.grad_accum_steps)
+    ep_state = None
+    if cfg.model.num_experts > 0:
+        from moonep import apply_expert_parallel
+
+        ep_state = apply_expert_parallel(runner.modules, dims, moonep=cfg.parallel.moonep)
+    flops = model_flops_per_token(cfg.model, cfg.train.seq_len)
+    return ParallelModel(cfg=cfg, dims=dims, runner=runner, ep_state=ep_state, flops_per_token=flops)

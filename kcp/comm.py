@@ -1,0 +1,87 @@
+"""Collective helpers shared by the KCP pieces, plus a per-context byte counter.
+
+Every collective here runs over one CP process group (``dims.group('cp')``): the ranks that hold the contiguous
+segments of the same rows. ``group=None`` means a CP size of 1 and every helper degenerates to a local copy, so
+the same code paths run in a single process.
+
+Byte accounting ("moved per rank", what a ring algorithm puts on each rank's link): an all-gather of a local
+buffer of ``b`` bytes moves ``(cp-1) * b``; a reduce-scatter of a full buffer of ``b`` bytes moves
+``(cp-1)/cp * b``; a point-to-point send moves ``b``.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+
+class CommStats:
+    """Bytes moved per rank, by kind (``kda_fwd``, ``kda_bwd``, ``mla_fwd``, ...), collective call counts, and
+    wall seconds of the timed sections (``kda_fold_fwd`` / ``kda_fold_bwd``: gather + fold; ``kda_pairs_fwd``)."""
+
+    def __init__(self) -> None:
+        self.bytes: dict[str, int] = defaultdict(int)
+        self.calls: dict[str, int] = defaultdict(int)
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def add(self, kind: str, nbytes: int) -> None:
+        self.bytes[kind] += int(nbytes)
+        self.calls[kind] += 1
+
+    @contextmanager
+    def timed(self, kind: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[kind] += time.perf_counter() - t0
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()
+        self.seconds.clear()
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.bytes)
+
+
+def group_size_rank(group: Any) -> tuple[int, int]:
+    """``(size, rank within group)``; ``(1, 0)`` for ``None``."""
+    if group is None:
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def all_gather_stacked(x: torch.Tensor, group: Any, stats: CommStats | None = None,
+                       kind: str = "") -> torch.Tensor:
+    """All-gather ``x`` (same shape on every rank) over ``group`` -> ``[cp, *x.shape]`` (rank order)."""
+    size, _ = group_size_rank(group)
+    if size == 1:
+        return x.unsqueeze(0).clone()
+    flat = x.contiguous().reshape(-1)
+    out = x.new_empty(size * flat.numel())
+    dist.all_gather_single(out, flat, group=group)
+    if stats is not None:
+        stats.add(kind, (size - 1) * x.numel() * x.element_size())
+    return out.view((size,) + tuple(x.shape))
+
+
+def reduce_scatter_stacked(full: torch.Tensor, group: Any, stats: CommStats | None = None,
+                           kind: str = "") -> torch.Tensor:
+    """``full [cp, *shape]`` on every rank -> ``sum over ranks r' of full_{r'}[my rank]`` (``[*shape]``)."""
+    size, _ = group_size_rank(group)
+    if size == 1:
+        return full[0].clone()
+    if full.shape[0] != size:
+        raise ValueError(f"reduce_scatter_stacked: leading dim {full.shape[0]} != group size {size}")
+    # 1-D views: the collective splits the flat input into ``size`` equal pieces in rank order.
+    flat = full.contiguous().reshape(-1)
+    out = full.new_empty(full.shape[1:])
+    dist.reduce_scatter_single(out.view(-1), flat, group=group)
+    if stats is not None:
+        stats.add(kind, (size - 1) * out.numel() * out.element_size())
+    return out

@@ -1,0 +1,133 @@
+"""``KCPContext``: the per-micro-batch context-parallel object the model layers call through ``seq.cp``.
+
+The model stays free of ``torch.distributed``: a KDA layer calls ``seq.cp.conv_halo`` and ``seq.cp.kda``, an MLA
+layer calls ``seq.cp.gather_latent``; all communication happens here, over the CP group of a
+:class:`parallel.dims.ParallelDims` (``dims.group('cp')``).
+
+Construction is collective over the CP group (every CP rank must build the context for the same micro-batch):
+one tiny all-gather of the local shape, then one all-gather of the local ``doc_ids`` and ``positions``
+(``2 * B * T`` int64 per rank per micro-batch). From those, every rank knows every segment's document layout, so
+the fold plans, the halo's previous doc ids and the MLA key doc ids / positions need no further communication.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from kcp.comm import CommStats, all_gather_stacked, group_size_rank
+from kcp.fold import FoldPlan, SegmentDocs, plan_fold
+from kcp.halo import conv_halo
+from kcp.kda_cp import kcp_chunk_kda
+from kcp.mla_cp import gather_latent_prefix
+from kcp.pairs import KdaFn, LocalLayout, TransitionFn
+
+logger = logging.getLogger(__name__)
+
+
+def _resolve_group(dims_or_group: Any) -> Any:
+    """A ``ParallelDims`` (its ``'cp'`` group), a process group, or None (CP size 1)."""
+    if dims_or_group is not None and hasattr(dims_or_group, "group") and hasattr(dims_or_group, "cp_rank"):
+        return dims_or_group.group("cp")
+    return dims_or_group
+
+
+class KCPContext:
+    """Context parallelism for one micro-batch on one CP rank.
+
+    Args:
+        dims_or_group: ``ParallelDims`` (uses ``dims.group('cp')``), a process group, or None (single rank).
+        doc_ids: ``LongTensor[B, T]`` this rank's contiguous segment of every row (T equal on all CP ranks; ids
+            shared by all ranks of a row, equal ids across a boundary = same document).
+        positions: ``LongTensor[B, T]`` positions within the full row (default: ``cp_rank*T + 0..T-1``).
+        kda_fn / transition_fn: override ``chunk_kda`` / ``kda_transition`` (tests, other kernels).
+    Collective over the CP group.
+    """
+
+    def __init__(self, dims_or_group: Any, doc_ids: Tensor, positions: Tensor | None = None, *,
+                 kda_fn: KdaFn | None = None, transition_fn: TransitionFn | None = None,
+                 stats: CommStats | None = None) -> None:
+        if doc_ids.dim() != 2:
+            raise ValueError(f"KCPContext: doc_ids must be [B, T], got {tuple(doc_ids.shape)}")
+        self.group = _resolve_group(dims_or_group)
+        self.size, self.rank = group_size_rank(self.group)
+        self.stats = stats if stats is not None else CommStats()
+        self.kda_fn, self.transition_fn = kda_fn, transition_fn
+        doc_ids = doc_ids.long()
+        B, T = doc_ids.shape
+        if positions is None:
+            positions = (self.rank * T + torch.arange(T, device=doc_ids.device)).expand(B, T)
+        if positions.shape != doc_ids.shape:
+            raise ValueError(f"KCPContext: positions {tuple(positions.shape)} != doc_ids {tuple(doc_ids.shape)}")
+        shapes = all_gather_stacked(torch.tensor([B, T], device=doc_ids.device), self.group, self.stats, "layout")
+        if not bool((shapes == shapes[0]).all()):
+            raise ValueError(f"KCPContext: every CP rank must hold a [B, T] segment of the same shape, got "
+                             f"{shapes.tolist()} (is the sequence length divisible by cp?)")
+        both = all_gather_stacked(torch.stack([doc_ids, positions.long()]), self.group, self.stats, "layout")
+        self.doc_ids_all, self.positions_all = both[:, 0], both[:, 1]  # [cp, B, T]
+        self.B, self.T = B, T
+        self.layout = LocalLayout.from_doc_ids(doc_ids)
+        self.docs = SegmentDocs.from_doc_ids(self.doc_ids_all.cpu())
+        self.plan: FoldPlan = plan_fold(self.docs, self.rank)
+        r = self.rank
+        self.prev_doc = (self.doc_ids_all[r - 1] if r > 0
+                         else torch.full_like(doc_ids, -1))  # [B, T] doc ids of the previous segment
+        self.key_doc_ids = self.doc_ids_all[: r + 1].permute(1, 0, 2).reshape(B, (r + 1) * T)
+        self.key_positions = self.positions_all[: r + 1].permute(1, 0, 2).reshape(B, (r + 1) * T)
+        logger.debug("%r: chain rows fold=%s", self, self.plan.fwd_b.sum(0).tolist())
+
+    # ------------------------------------------------------------------------------------------------------
+    @classmethod
+    def from_batch(cls, batch: Any, dims_or_group: Any, **kwargs: Any) -> "KCPContext":
+        """From anything with ``doc_ids`` and ``positions`` ``[B, T]`` (a CP-sliced ``Batch`` or a ``SeqInfo``)."""
+        return cls(dims_or_group, batch.doc_ids, batch.positions, **kwargs)
+
+    # ------------------------------------------------------------------------------------------------------
+    # the contract methods (k3train/model layers call these through seq.cp)
+    def conv_halo(self, x: Tensor, n: int) -> tuple[Tensor, Tensor]:
+        """``x [B, T, C] -> (prev [B, n, C], prev_doc [B, n])``: the previous CP rank's last n positions
+        (zeros and doc id -1 on rank 0). Gradient flows back to the previous rank (p2p over the CP group)."""
+        self._check_bt(x, "conv_halo")
+        return conv_halo(x, n, self.prev_doc.to(x.device), self.group, self.stats)
+
+    def kda(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None,
+            seq: Any = None) -> Tensor:
+        """KDA over this rank's segment with the state carried in from earlier ranks; ``o [B, T, H, V]``.
+
+        q, k, g ``[B, T, H, K]``, v ``[B, T, H, V]``, beta ``[B, T, H]``; ``seq`` (the layer's SeqInfo) is only
+        checked for shape. One all-gather over the CP group forward and one backward (see :mod:`kcp.kda_cp`).
+        """
+        if seq is not None and tuple(seq.doc_ids.shape) != (self.B, self.T):
+            raise ValueError(f"KCPContext.kda: seq is {tuple(seq.doc_ids.shape)}, context {(self.B, self.T)}")
+        o, _ = self.kda_with_state(q, k, v, g, beta, scale=scale, output_final_state=False)
+        return o
+
+    def kda_with_state(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *,
+                       scale: float | None = None, output_final_state: bool = True) -> tuple[Tensor, Tensor | None]:
+        """As :meth:`kda`, also returning each row's state after its last local token ``[B, H, K, V]``
+        (on the last CP rank: the row's final state)."""
+        self._check_bt(k, "kda")
+        return kcp_chunk_kda(q, k, v, g, beta, layout=self.layout, plan=self.plan, group=self.group, scale=scale,
+                             output_final_state=output_final_state, kda_fn=self.kda_fn,
+                             transition_fn=self.transition_fn, stats=self.stats)
+
+    def gather_latent(self, latent: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``latent [B, T, L] -> (latent_keys [B, (r+1)T, L], key_doc_ids, key_positions [B, (r+1)T])``.
+
+        Keys are the causal prefix: the segments of CP ranks 0..r (this rank included). All-gather forward,
+        reduce-scatter backward, over the CP group.
+        """
+        self._check_bt(latent, "gather_latent")
+        return gather_latent_prefix(latent, self.key_doc_ids.to(latent.device),
+                                    self.key_positions.to(latent.device), self.group, self.stats)
+
+    # ------------------------------------------------------------------------------------------------------
+    def _check_bt(self, x: Tensor, what: str) -> None:
+        if tuple(x.shape[:2]) != (self.B, self.T):
+            raise ValueError(f"KCPContext.{what}: input is [B, T] = {tuple(x.shape[:2])}, the context was built "
+                             f"for {(self.B, self.T)}")
+
+    def __repr__(self) -> str:
+        return f"KCPContext(cp={self.size}, rank={self.rank}, B={self.B}, T={self.T}, chain={self.plan.any_chain})"

@@ -1,0 +1,243 @@
+"""Expert-parallel dispatcher with MoonEP redundant experts: the drop-in replacement of ``LocalDispatcher``.
+
+``EPDispatcher(...)(x_latent[N, l], topk_idx[N, k], topk_weight[N, k], experts) -> [N, l]``, where ``experts``
+is this rank's shard (``w_gate[n, l, f], w_up[n, l, f], w_down[n, f, l]``, ``n = E / ep``). Communication over
+the EP group (``dims.group('ep')``), replica weights over a second group on the same ranks.
+
+Forward of one call (every EP rank runs the same collectives in the same order):
+
+1. ``bincount`` of the routes -> async all-gather of ``[E]`` counts (``R*E`` ints); meanwhile each route's rank
+   within its expert is computed locally.
+2. Plan (:mod:`moonep.planner`, identical on all ranks) and this rank's index layout (:mod:`moonep.layout`).
+3. Latent rows (width ``l``, not ``d``) are gathered into the persistent send buffer in destination order and
+   all-to-all'ed (async); the replica weights are prefetched point-to-point at the same time (MoonEP).
+4. The received rows are permuted into compute order (own experts, then replica slots); own experts are computed
+   while the prefetch finishes, then the replicas (two ``grouped_expert_ffn`` calls).
+5. Reverse all-to-all of the outputs (combine); the ``k`` outputs per token are mixed with ``topk_weight``
+   on the source rank, so the router's gradient stays local.
+
+Backward (one custom autograd Function for steps 1-5, so every rank calls every collective in a fixed order even
+when it received no tokens): reverse all-to-all of the output grads; replica FFN backward first, whose weight
+grads start travelling home (:mod:`moonep.grad_reduce`) while the own-expert backward runs; the input grads go
+back by all-to-all, overlapped with the reduce-back; the owner adds the replica grads to its shard grads.
+
+Shapes: with MoonEP every rank computes exactly ``N*k`` rows (equal ``N``), whatever the routing; without it the
+count varies (up to ``R*N*min(k, n)``). Reference: :func:`ep_reference_output` (the dense single-process layer).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+
+from moonep.comm import CommBuffers, all_gather_counts, all_to_all_rows, token_buffer_rows, wait_all
+from moonep.grad_reduce import finish_reduce_back, start_reduce_back
+from moonep.layout import RankLayout, build_rank_layout, inverse_permutation, local_route_positions
+from moonep.metrics import DispatchRecord, LayerMetrics
+from moonep.planner import Plan, make_plan
+from moonep.prefetch import start_prefetch, weight_bytes_per_replica
+
+logger = logging.getLogger(__name__)
+
+
+def _in_backward_pass() -> bool:
+    # activation recomputation re-runs the forward inside the autograd engine: record metrics once per forward
+    return torch._C._current_graph_task_id() != -1
+
+
+def _grouped_ffn() -> Any:
+    from k3train.model.moe import grouped_expert_ffn  # late import: the model package imports nothing of ours
+    return grouped_expert_ffn
+
+
+class EPDispatcher:
+    """Expert-parallel dispatch/combine with optional MoonEP redundancy (module docstring).
+
+    ``num_experts``: global E; ``ep_group`` / ``ep_ranks`` (global ranks in EP order) / ``ep_rank``: this rank's
+    EP group; ``weight_group``: process group on the same ranks for the replica weights (defaults to
+    ``ep_group``); ``buffers``: persistent token buffers shared by all dispatchers of a model; ``name``: the
+    layer's FQN for metrics; ``impl``: ``grouped_expert_ffn``'s implementation.
+    """
+
+    def __init__(self, *, num_experts: int, ep_group: Any, ep_ranks: list[int], ep_rank: int, moonep: bool = True,
+                 weight_group: Any = None, buffers: CommBuffers | None = None, name: str = "",
+                 impl: str = "auto") -> None:
+        if num_experts % len(ep_ranks) != 0:
+            raise ValueError(f"EPDispatcher: num_experts={num_experts} not divisible by ep={len(ep_ranks)}")
+        self.num_experts, self.ep, self.ep_rank = num_experts, len(ep_ranks), ep_rank
+        self.experts_per_rank = num_experts // self.ep
+        self.ep_group, self.ep_ranks = ep_group, list(ep_ranks)
+        self.weight_group = weight_group if weight_group is not None else ep_group
+        self.moonep, self.name, self.impl = moonep, name, impl
+        self.buffers = buffers if buffers is not None else CommBuffers()
+        self.metrics = LayerMetrics()
+        self.last_plan: Plan | None = None
+
+    def __repr__(self) -> str:
+        return (f"EPDispatcher(name={self.name!r}, E={self.num_experts}, ep={self.ep}, rank={self.ep_rank}, "
+                f"moonep={self.moonep})")
+
+    def __call__(self, x_latent: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
+                 experts: Any) -> torch.Tensor:
+        """``x_latent[N, l]``, ``topk_idx[N, k]`` (global ids), ``topk_weight[N, k]`` -> ``[N, l]``
+        (``sum_j topk_weight[:, j] * E_{topk_idx[:, j]}(x)``, accumulated in fp32). Collective over the EP group."""
+        n = self.experts_per_rank
+        if experts.w_gate.shape[0] != n:
+            raise ValueError(f"EPDispatcher {self.name}: experts hold {experts.w_gate.shape[0]} experts, expected "
+                             f"E/ep = {n} (apply_expert_parallel shards them)")
+        if x_latent.dim() != 2 or topk_idx.shape != topk_weight.shape or topk_idx.shape[0] != x_latent.shape[0]:
+            raise ValueError(f"EPDispatcher {self.name}: bad shapes x{tuple(x_latent.shape)}, "
+                             f"idx{tuple(topk_idx.shape)}, weight{tuple(topk_weight.shape)}")
+        n_tok, k = topk_idx.shape
+        act = (experts.situ_beta, experts.situ_linear_beta)
+        y = _EPExperts.apply(x_latent, experts.w_gate, experts.w_up, experts.w_down, self, topk_idx, act)
+        y = y.view(n_tok, k, -1)
+        acc = torch.promote_types(y.dtype, torch.float32)
+        return (y.to(acc) * topk_weight.to(acc).unsqueeze(-1)).sum(dim=1).to(y.dtype)
+
+    # ------------------------------------------------------------------------------------------------------------
+    def _ffn(self, x: torch.Tensor, offsets: torch.Tensor, weights: tuple[torch.Tensor, ...], act: tuple,
+             grad: bool) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+        """Run the grouped FFN on detached leaves (an inner graph the Function's backward differentiates).
+
+        Returns ``(x_leaf, weight_leaves, y)``; empty ``x`` skips the FFN (its backward is zero)."""
+        x_leaf = x.detach().requires_grad_(grad)
+        w_leaves = [w.detach().requires_grad_(grad) for w in weights]
+        if x.shape[0] == 0:
+            return x_leaf, w_leaves, x.new_zeros(0, weights[2].shape[-1])
+        with torch.enable_grad() if grad else contextlib.nullcontext():
+            y = _grouped_ffn()(x_leaf, offsets, *w_leaves, act[0], act[1], impl=self.impl)
+        return x_leaf, w_leaves, y
+
+    def _forward(self, ctx: Any, x: torch.Tensor, weights: tuple[torch.Tensor, ...], topk_idx: torch.Tensor,
+                 act: tuple) -> torch.Tensor:
+        R, n, E, me = self.ep, self.experts_per_rank, self.num_experts, self.ep_rank
+        n_tok, k = topk_idx.shape
+        width, dev, dt = x.shape[1], x.device, x.dtype
+        need_grad = any(ctx.needs_input_grad[:4])
+
+        # 1. counts all-gather, overlapped with the local per-expert ranking of the routes
+        local = local_route_positions(topk_idx, E)
+        gathered, handle = all_gather_counts(local[1], self.ep_group, R)
+        send_cap, recv_cap = token_buffer_rows(n_tok, k, R, n, self.moonep)
+        self.buffers.reserve("send", send_cap, width, dt, dev)
+        self.buffers.reserve("recv", recv_cap, width, dt, dev)
+        wait_all([handle])
+
+        # 2. plan + layout (host-side, tiny)
+        counts_by_src = gathered.view(R, E).cpu().numpy().astype(np.int64)
+        plan = make_plan(counts_by_src.sum(0), R, self.moonep)
+        lay = build_rank_layout(plan, counts_by_src, me, topk_idx, local=local)
+        self.last_plan = plan
+
+        # 3. token all-to-all (async) + replica prefetch (async, other group)
+        send = self.buffers.get("send", n_tok * k, width, dt, dev)
+        torch.index_select(x, 0, lay.send_order // k, out=send)
+        recv = self.buffers.get("recv", lay.recv_rows, width, dt, dev)
+        h_tok = all_to_all_rows(recv, send, lay.recv_splits, lay.send_splits, self.ep_group, async_op=True)
+        w_data = tuple(w.detach() for w in weights)
+        replicas, h_w = (start_prefetch(lay, w_data, self.weight_group, self.ep_ranks, n) if self.moonep
+                         else (None, []))
+        wait_all([h_tok])
+
+        # 4. expert compute: own experts while the prefetch finishes, then the replicas
+        x_sorted = recv.index_select(0, lay.recv_perm)  # the copy out of the comm buffer
+        own = self._ffn(x_sorted[:lay.own_rows], lay.own_offsets(dev), w_data, act, need_grad)
+        wait_all(h_w)
+        rep = None
+        if self.moonep:
+            rep = self._ffn(x_sorted[lay.own_rows:], lay.replica_offsets(dev), replicas, act, need_grad)
+        y_sorted = torch.cat([own[2].detach()] + ([rep[2].detach()] if rep is not None else []))
+
+        # 5. combine: back to source-major order, reverse all-to-all, back to flat route order
+        inv_perm = inverse_permutation(lay.recv_perm)
+        back = self.buffers.get("recv", lay.recv_rows, width, dt, dev)
+        torch.index_select(y_sorted, 0, inv_perm, out=back)
+        home = self.buffers.get("send", n_tok * k, width, dt, dev)
+        all_to_all_rows(home, back, lay.send_splits, lay.recv_splits, self.ep_group)
+        y_routes = x.new_empty(n_tok * k, width).index_copy_(0, lay.send_order, home)
+
+        if need_grad:
+            ctx.lay, ctx.inv_perm, ctx.own, ctx.rep, ctx.shape = lay, inv_perm, own, rep, (n_tok, k, width)
+            ctx.weight_shapes = [w.shape for w in weights]
+        if not _in_backward_pass():
+            row_bytes = width * x.element_size()
+            self.metrics.add(DispatchRecord.from_plan(plan, lay.split, row_bytes, weight_bytes_per_replica(w_data)))
+        return y_routes
+
+    def _backward(self, ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        lay: RankLayout = ctx.lay
+        n_tok, k, width = ctx.shape
+        dev, dt = grad.device, grad.dtype
+        n = self.experts_per_rank
+
+        # reverse combine: output grads travel to the ranks that computed the routes
+        send = self.buffers.get("send", n_tok * k, width, dt, dev)
+        torch.index_select(grad.contiguous(), 0, lay.send_order, out=send)
+        recv = self.buffers.get("recv", lay.recv_rows, width, dt, dev)
+        all_to_all_rows(recv, send, lay.recv_splits, lay.send_splits, self.ep_group)
+        g_sorted = recv.index_select(0, lay.recv_perm)
+
+        # replicas first: their weight grads go home while the own-expert backward runs
+        h_red: list[Any] = []
+        incoming: list[torch.Tensor] = []
+        g_x_parts = []
+        if self.moonep:
+            g_xr, g_wr = self._ffn_backward(ctx.rep, g_sorted[lay.own_rows:])
+            incoming, h_red = start_reduce_back(lay, tuple(g_wr), self.weight_group, self.ep_ranks, self.buffers)
+        g_xo, g_wo = self._ffn_backward(ctx.own, g_sorted[:lay.own_rows])
+        g_x_parts.append(g_xo)
+        if self.moonep:
+            g_x_parts.append(g_xr)
+
+        # input grads go back to the source ranks, overlapped with the reduce-back
+        g_x_sorted = torch.cat(g_x_parts)
+        back = self.buffers.get("recv", lay.recv_rows, width, dt, dev)
+        torch.index_select(g_x_sorted, 0, ctx.inv_perm, out=back)
+        home = self.buffers.get("send", n_tok * k, width, dt, dev)
+        h_tok = all_to_all_rows(home, back, lay.send_splits, lay.recv_splits, self.ep_group, async_op=True)
+        wait_all(h_red)
+        if self.moonep:
+            finish_reduce_back(lay, incoming, tuple(g_wo), n)
+        wait_all([h_tok])
+        g_routes = grad.new_empty(n_tok * k, width).index_copy_(0, lay.send_order, home)
+        acc = torch.promote_types(dt, torch.float32)
+        g_x = g_routes.view(n_tok, k, width).to(acc).sum(dim=1).to(dt)
+        return g_x, list(g_wo)
+
+    @staticmethod
+    def _ffn_backward(saved: tuple, grad_y: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        x_leaf, w_leaves, y = saved
+        if x_leaf.shape[0] == 0:
+            return x_leaf.new_zeros(x_leaf.shape), [torch.zeros_like(w) for w in w_leaves]
+        grads = torch.autograd.grad(y, [x_leaf] + w_leaves, grad_y.contiguous())
+        return grads[0], list(grads[1:])
+
+
+class _EPExperts(torch.autograd.Function):
+    """``(x[N, l], w_gate, w_up, w_down) -> y_routes[N*k, l]``: expert ``topk_idx[i, j]`` applied to ``x[i]`` at
+    row ``i*k + j``, computed wherever the plan puts it. Forward/backward live on the dispatcher."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                disp: EPDispatcher, topk_idx: torch.Tensor, act: tuple) -> torch.Tensor:
+        ctx.disp = disp
+        return disp._forward(ctx, x, (w_gate, w_up, w_down), topk_idx, act)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        g_x, g_w = ctx.disp._backward(ctx, grad)
+        ctx.own = ctx.rep = None  # free the inner graphs
+        return (g_x, *g_w, None, None, None)
+
+
+def ep_reference_output(x_all: torch.Tensor, topk_idx_all: torch.Tensor, topk_weight_all: torch.Tensor,
+                        w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                        act: tuple[float, float] = (4.0, 25.0)) -> torch.Tensor:
+    """Readable reference: the routed branch over ALL tokens of the EP group with the FULL ``[E, ., .]`` weights
+    (single process, per-token loop)."""
+    from k3train.model.moe import reference_expert_ffn_loop
+    return reference_expert_ffn_loop(x_all, topk_idx_all, topk_weight_all, w_gate, w_up, w_down, *act)

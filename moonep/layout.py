@@ -1,0 +1,133 @@
+"""Per-rank index layout of one EP dispatch, derived from a :class:`~moonep.planner.Plan` (no communication).
+
+Every rank builds the same plan from the all-gathered ``counts_by_src[R, E]``; this module turns it into the
+index tensors THIS rank needs:
+
+- source side: which entry (``token * k + slot``) goes to which rank, in which order (``send_order``), and the
+  all-to-all ``send_splits``;
+- destination side: ``recv_splits``, and the permutation ``recv_perm`` from the all-to-all's source-major order to
+  the *compute order*: ``2n`` groups -- this rank's ``n`` own experts (local index order) then its ``n`` replica
+  slots -- each group holding its expert's entries in global (source rank, local order) order;
+- the weight-transfer schedule: which local experts this rank sends to which replica slot of which rank
+  (prefetch), and which replica slots it receives (the reduce-back is the same schedule reversed).
+
+The source side orders its entries for rank ``d`` by ``(group at d, local order)``, so what arrives from each
+source is already grouped; the receiver only interleaves the sources (one stable sort by group id).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from moonep.planner import Plan, split_tokens
+
+
+@dataclass
+class WeightTransfer:
+    """One replica: expert ``expert`` (owned by rank index ``src``) copied into replica slot ``slot`` of ``dst``."""
+
+    expert: int
+    src: int
+    dst: int
+    slot: int
+
+
+@dataclass
+class RankLayout:
+    """Index tensors of one rank for one dispatch (see module docstring). Ranks are EP-group indices."""
+
+    me: int
+    send_order: torch.Tensor  # [N*k] long: flat entry indices in send-buffer order
+    send_splits: list[int]  # [R] rows sent to each rank
+    recv_splits: list[int]  # [R] rows received from each rank
+    recv_perm: torch.Tensor  # [rows] long: compute-order row i = received row recv_perm[i]
+    group_counts: list[int]  # [2n] rows per compute group (own experts, then replica slots)
+    own_rows: int  # rows of the own-expert groups (they come first)
+    prefetch_sends: list[WeightTransfer]  # replicas of this rank's experts, hosted elsewhere
+    prefetch_recvs: list[WeightTransfer]  # this rank's replica slots, in slot order
+    split: np.ndarray  # [R_src, R_dst, E] the full token split (metrics)
+
+    @property
+    def recv_rows(self) -> int:
+        return int(sum(self.recv_splits))
+
+    def own_offsets(self, device: torch.device) -> torch.Tensor:
+        n = len(self.group_counts) // 2
+        return torch.tensor(np.cumsum(self.group_counts[:n]), dtype=torch.int32, device=device)
+
+    def replica_offsets(self, device: torch.device) -> torch.Tensor:
+        n = len(self.group_counts) // 2
+        return torch.tensor(np.cumsum(self.group_counts[n:]), dtype=torch.int32, device=device)
+
+
+def weight_transfers(plan: Plan) -> list[WeightTransfer]:
+    """Every replica of the plan, ordered by (destination, slot)."""
+    return [WeightTransfer(e, plan.owner(e), d, s)
+            for d in range(plan.num_ranks) for s, e in enumerate(plan.replicas[d])]
+
+
+def local_route_positions(topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                torch.Tensor]:
+    """``(flat[N*k], counts[E], pos[N*k])``: the routes, per-expert counts, and each route's position among this
+    rank's routes to the same expert (flat order). Needs no plan, so it overlaps the count all-gather."""
+    flat = topk_idx.reshape(-1)
+    counts = torch.bincount(flat, minlength=num_experts)
+    if counts.numel() != num_experts:
+        raise ValueError(f"moonep: expert index out of range for num_experts={num_experts}")
+    by_expert = torch.argsort(flat, stable=True)
+    starts = torch.cumsum(counts, 0) - counts
+    pos = torch.empty_like(flat)
+    pos[by_expert] = torch.arange(flat.numel(), device=flat.device) - starts[flat[by_expert]]
+    return flat, counts, pos
+
+
+def build_rank_layout(plan: Plan, counts_by_src: np.ndarray, me: int, topk_idx: torch.Tensor,
+                      local: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> RankLayout:
+    """The layout of rank ``me`` (EP-group index) whose routes are ``topk_idx[N, k]`` (long, global expert ids).
+
+    ``counts_by_src[s, e]`` must be the all-gathered per-source counts; row ``me`` must equal this rank's
+    ``bincount(topk_idx)``. ``local``: :func:`local_route_positions` if already computed.
+    """
+    R, E, n = plan.num_ranks, plan.num_experts, plan.experts_per_rank
+    device = topk_idx.device
+    split = split_tokens(plan, counts_by_src)
+    table = plan.slot_table()  # [R, E]
+
+    # ---- source side: destination and compute group of every local entry
+    flat, _, pos = local if local is not None else local_route_positions(topk_idx, E)
+    num = flat.numel()
+    before_me = torch.as_tensor(counts_by_src[:me].sum(0), dtype=torch.long, device=device)  # [E]
+    global_idx = before_me[flat] + pos
+    cum_alloc = torch.as_tensor(np.cumsum(plan.alloc, 1), dtype=torch.long, device=device)  # [E, R]
+    dest = torch.searchsorted(cum_alloc[flat], global_idx.unsqueeze(1), right=True).squeeze(1)
+    group = torch.as_tensor(table, dtype=torch.long, device=device)[dest, flat]
+    send_order = torch.argsort(dest * (2 * n) + group, stable=True)
+    send_splits = torch.bincount(dest, minlength=R).tolist() if num else [0] * R
+    if send_splits != split[me].sum(1).tolist():  # the two derivations of the split must agree
+        raise AssertionError(f"moonep layout: send splits {send_splits} != plan {split[me].sum(1).tolist()}")
+
+    # ---- destination side: per (source, group) counts in the order the all-to-all delivers them
+    group_of_expert = table[me]  # [E]
+    hosted = np.flatnonzero(group_of_expert >= 0)
+    per_src_group = np.zeros((R, 2 * n), dtype=np.int64)
+    per_src_group[:, group_of_expert[hosted]] = split[:, me, hosted]
+    recv_splits = per_src_group.sum(1).tolist()
+    group_ids = torch.arange(2 * n, device=device).repeat(R)
+    row_group = torch.repeat_interleave(group_ids, torch.as_tensor(per_src_group.reshape(-1), device=device))
+    recv_perm = torch.argsort(row_group, stable=True)
+    group_counts = per_src_group.sum(0).tolist()
+
+    transfers = weight_transfers(plan)
+    return RankLayout(
+        me=me, send_order=send_order, send_splits=send_splits, recv_splits=recv_splits, recv_perm=recv_perm,
+        group_counts=group_counts, own_rows=int(sum(group_counts[:n])),
+        prefetch_sends=[t for t in transfers if t.src == me],
+        prefetch_recvs=[t for t in transfers if t.dst == me], split=split)
+
+
+def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    return inv

@@ -1,0 +1,96 @@
+"""MoonEP metrics: per-layer token load before/after redundancy, replicas, bytes moved; a per-step summary.
+
+Every rank of an EP group computes the same numbers (they come from the plan, which is built from all-gathered
+counts), so rank 0 can log them without communication. Bytes are EP-group totals of the FORWARD pass:
+``token_bytes`` = dispatch + combine rows that cross ranks x ``l`` x element size; ``weight_bytes`` = replica
+prefetch. The backward moves the same token bytes again and the reduce-back moves ``weight_bytes`` (at the
+gradient dtype).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import numpy as np
+from torch import nn
+
+from moonep.planner import Plan, max_over_mean
+
+
+@dataclass
+class DispatchRecord:
+    """One dispatch (one micro-batch of one layer)."""
+
+    load_before: np.ndarray  # [R] routes each rank would compute without redundancy
+    load_after: np.ndarray  # [R] routes each rank computes
+    replicas: np.ndarray  # [R] replica experts hosted
+    token_bytes: int
+    weight_bytes: int
+
+    @classmethod
+    def from_plan(cls, plan: Plan, split: np.ndarray, row_bytes: int, expert_bytes: int) -> "DispatchRecord":
+        cross = int(split.sum() - np.trace(split.sum(2)))  # rows with source != destination
+        return cls(plan.loads_before, plan.loads_after, plan.num_replicas, 2 * cross * row_bytes,
+                   int(plan.num_replicas.sum()) * expert_bytes)
+
+
+@dataclass
+class LayerMetrics:
+    """Records of one layer since the last :meth:`pop_summary`."""
+
+    records: list[DispatchRecord] = field(default_factory=list)
+
+    def add(self, rec: DispatchRecord) -> None:
+        self.records.append(rec)
+
+    def pop_summary(self) -> dict[str, float] | None:
+        if not self.records:
+            return None
+        before = [max_over_mean(r.load_before) for r in self.records]
+        after = [max_over_mean(r.load_after) for r in self.records]
+        out = {
+            "load_max_over_mean_before": float(np.mean(before)),
+            "load_max_over_mean_after": float(np.mean(after)),
+            "load_max_over_mean_before_worst": float(np.max(before)),
+            "load_max_over_mean_after_worst": float(np.max(after)),
+            "replicas_per_microbatch": float(np.mean([r.replicas.sum() for r in self.records])),
+            "replicas_max_per_rank": float(np.max([r.replicas.max() for r in self.records])),
+            "token_bytes": float(sum(r.token_bytes for r in self.records)),
+            "weight_bytes": float(sum(r.weight_bytes for r in self.records)),
+            "microbatches": float(len(self.records)),
+        }
+        self.records.clear()
+        return out
+
+
+def collect_moonep_metrics(modules: nn.Module | Iterable[nn.Module], prefix: str = "moonep") -> dict[str, Any]:
+    """Per-layer and step-summary metrics of every EP dispatcher in ``modules`` (model chunks); resets them.
+
+    Keys: ``{prefix}/{layer}/{metric}`` per layer and ``{prefix}/worst_max_over_mean_before|after`` (worst
+    micro-batch of the worst layer), ``{prefix}/mean_max_over_mean_before|after``, ``{prefix}/token_bytes``,
+    ``{prefix}/weight_bytes``, ``{prefix}/replicas`` (step totals). No communication.
+    """
+    mods = [modules] if isinstance(modules, nn.Module) else list(modules)
+    out: dict[str, Any] = {}
+    layers = []
+    for mod in mods:
+        for name, m in mod.named_modules():
+            disp = getattr(m, "dispatcher", None)
+            metrics = getattr(disp, "metrics", None)
+            if not isinstance(metrics, LayerMetrics):
+                continue
+            summary = metrics.pop_summary()
+            if summary is None:
+                continue
+            layers.append(summary)
+            for key, val in summary.items():
+                out[f"{prefix}/{name}/{key}"] = val
+    if layers:
+        out[f"{prefix}/worst_max_over_mean_before"] = max(s["load_max_over_mean_before_worst"] for s in layers)
+        out[f"{prefix}/worst_max_over_mean_after"] = max(s["load_max_over_mean_after_worst"] for s in layers)
+        out[f"{prefix}/mean_max_over_mean_before"] = float(np.mean([s["load_max_over_mean_before"] for s in layers]))
+        out[f"{prefix}/mean_max_over_mean_after"] = float(np.mean([s["load_max_over_mean_after"] for s in layers]))
+        out[f"{prefix}/token_bytes"] = sum(s["token_bytes"] for s in layers)
+        out[f"{prefix}/weight_bytes"] = sum(s["weight_bytes"] for s in layers)
+        out[f"{prefix}/replicas"] = sum(s["replicas_per_microbatch"] * s["microbatches"] for s in layers)
+    return out

@@ -1,0 +1,184 @@
+"""``ParallelDims``: the one object that knows the parallel layout and owns its process groups.
+
+Rank layout (slowest to fastest): ``pp, dp, cp`` -- ``rank = (pp_rank * dp + dp_rank) * cp + cp_rank``, as
+Megatron's default order ``tp-cp-ep-dp-pp`` without tp. Expert parallelism is carved out of the ``dp x cp``
+ranks of one pipeline stage: flatten ``(dp_rank, cp_rank)`` to ``dpcp_rank = dp_rank * cp + cp_rank``; an EP group
+is ``ep`` consecutive dpcp ranks, and the expert-data-parallel (EDP) group joins the ranks with the same EP index
+across the ``dp*cp/ep`` EP groups.
+
+Groups (all ``None`` when their size is 1 or torch.distributed is not initialised):
+    ``pp``    ranks of one pipeline, same (dp, cp) -- point-to-point activations
+    ``dp``    same (pp, cp) -- ZeRO ownership of dense parameters when cp == 1
+    ``cp``    same (pp, dp) -- KCP / MLA context parallel
+    ``dp_cp`` same pp -- gradient reduction of dense parameters, QB histogram all-reduce (every router rank)
+    ``ep``    expert-parallel group inside dp_cp -- token all-to-all
+    ``edp``   expert-data-parallel group -- gradient reduction of routed-expert parameters
+    ``embd``  first + last pipeline rank of one pipeline (same dp, cp) -- sums the gradients of the embedding
+              copies when the MTP on the last stage shares ``embed_tokens`` (added by the pipeline worker)
+
+No module-level globals: the object is built once and passed explicitly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class ParallelConfigError(ValueError):
+    """A parallel layout that cannot work; raised before any process group is built."""
+
+
+@dataclass
+class ParallelDims:
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    ep: int = 1
+    vpp: int = 1
+    world_size: int = 1
+    rank: int = 0
+    groups: dict[str, Any] = field(default_factory=dict, repr=False)
+    group_ranks: dict[str, list[int]] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    # ------------------------------------------------------------------------------------------------------
+    def _validate(self) -> None:
+        for name in ("pp", "dp", "cp", "ep", "vpp"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ParallelConfigError(f"parallel.{name} must be a positive integer, got {v!r}")
+        if self.pp * self.dp * self.cp != self.world_size:
+            raise ParallelConfigError(
+                f"pp*dp*cp = {self.pp}*{self.dp}*{self.cp} = {self.pp * self.dp * self.cp} "
+                f"does not match world size {self.world_size}")
+        if (self.dp * self.cp) % self.ep != 0:
+            raise ParallelConfigError(f"parallel.ep={self.ep} must divide dp*cp = {self.dp * self.cp}")
+        if not 0 <= self.rank < self.world_size:
+            raise ParallelConfigError(f"rank {self.rank} outside world size {self.world_size}")
+
+    @classmethod
+    def from_config(cls, pcfg: Any, world_size: int, rank: int) -> "ParallelDims":
+        dp = pcfg.dp if pcfg.dp != -1 else world_size // max(1, pcfg.pp * pcfg.cp)
+        return cls(pp=pcfg.pp, dp=dp, cp=pcfg.cp, ep=pcfg.ep, vpp=pcfg.vpp, world_size=world_size, rank=rank)
+
+    # ------------------------------------------------------------------------------------------------------
+    # coordinates
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // (self.dp * self.cp)
+
+    @property
+    def dp_rank(self) -> int:
+        return (self.rank // self.cp) % self.dp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.rank % self.cp
+
+    @property
+    def dpcp_rank(self) -> int:
+        return self.rank % (self.dp * self.cp)
+
+    @property
+    def ep_rank(self) -> int:
+        return self.dpcp_rank % self.ep
+
+    @property
+    def edp_rank(self) -> int:
+        return self.dpcp_rank // self.ep
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    def rank_of(self, pp_rank: int, dp_rank: int, cp_rank: int) -> int:
+        return (pp_rank * self.dp + dp_rank) * self.cp + cp_rank
+
+    # ------------------------------------------------------------------------------------------------------
+    def _enumerate_groups(self) -> dict[str, list[list[int]]]:
+        """Every group of every kind, as global-rank lists, in a fixed order (all ranks must agree)."""
+        P, D, C, E = self.pp, self.dp, self.cp, self.ep
+        out: dict[str, list[list[int]]] = {"pp": [], "dp": [], "cp": [], "dp_cp": [], "ep": [], "edp": [],
+                                           "embd": []}
+        for d in range(D):
+            for c in range(C):
+                out["pp"].append([self.rank_of(p, d, c) for p in range(P)])
+                # embd: first + last pipeline rank of one pipeline (the MTP's copy of the shared embedding)
+                out["embd"].append([self.rank_of(0, d, c)] + ([self.rank_of(P - 1, d, c)] if P > 1 else []))
+        for p in range(P):
+            for c in range(C):
+                out["dp"].append([self.rank_of(p, d, c) for d in range(D)])
+            for d in range(D):
+                out["cp"].append([self.rank_of(p, d, c) for c in range(C)])
+            base = p * D * C
+            out["dp_cp"].append([base + i for i in range(D * C)])
+            for g in range(D * C // E):
+                out["ep"].append([base + g * E + e for e in range(E)])
+            for e in range(E):
+                out["edp"].append([base + g * E + e for g in range(D * C // E)])
+        return out
+
+    def build_groups(self, backend: str | None = None) -> "ParallelDims":
+        """Create the process groups (collective call: every rank must call it). Size-1 groups stay ``None``."""
+        all_groups = self._enumerate_groups()
+        for name, lists in all_groups.items():
+            for ranks in lists:
+                if self.rank in ranks:
+                    self.group_ranks[name] = ranks
+            if not dist.is_initialized() or len(lists[0]) == 1:
+                self.groups[name] = None
+                continue
+            for ranks in lists:
+                g = dist.new_group(ranks, backend=backend)
+                if self.rank in ranks:
+                    self.groups[name] = g
+        return self
+
+    def group(self, name: str) -> Any:
+        return self.groups.get(name)
+
+    def ranks(self, name: str) -> list[int]:
+        return self.group_ranks.get(name, [self.rank])
+
+    def size(self, name: str) -> int:
+        return len(self.ranks(name))
+
+    def describe(self) -> str:
+        return (f"world={self.world_size} pp={self.pp} (vpp={self.vpp}) dp={self.dp} cp={self.cp} ep={self.ep}; "
+                f"rank {self.rank} = pp{self.pp_rank} dp{self.dp_rank} cp{self.cp_rank} ep{self.ep_rank}")
+
+
+def single_process_dims() -> ParallelDims:
+    return ParallelDims().build_groups()
+
+
+def all_reduce_(t: torch.Tensor, group: Any, op: Any = None) -> torch.Tensor:
+    """In-place all-reduce over ``group``; a no-op for ``None`` (size-1) groups."""
+    if group is not None:
+        dist.all_reduce(t, op=op or dist.ReduceOp.SUM, group=group)
+    return t

@@ -1,0 +1,231 @@
+"""Pipeline partition: which layers run on which virtual stage, and a small cost model to choose it.
+
+Layout (Megatron interleaving): ``n = pp * vpp`` virtual stages ``v = 0..n-1`` each run a contiguous layer range;
+virtual stage ``v`` lives on pipeline rank ``v % pp`` as that rank's local chunk ``v // pp``. So rank ``r`` holds
+stages ``r, r + pp, r + 2 pp, ...`` and a micro-batch visits every rank ``vpp`` times.
+
+The first virtual stage also runs the token embedding, the last one the final AttnRes aggregation, the final norm,
+the LM head and the MTP layer. Layers per stage come from ``parallel.pp_layers`` (explicit, ``pp*vpp`` entries)
+or from :func:`auto_layers_per_stage`, which minimises the most expensive stage under :func:`layer_cost`
+(uneven splits are normal: K3 has 93 layers and a heavy last stage).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from k3train.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# cost model (forward matmul FLOPs per token; the ratios are what matter for balancing)
+# --------------------------------------------------------------------------------------------------------------
+def _mixer_flops(m: Any, kind: str, seq_len: int) -> float:
+    """Forward FLOPs per token of one token mixer (projections + the sequence-mixing core)."""
+    d = m.hidden_size
+    if kind == "kda":
+        H, K, r = m.kda_num_heads, m.kda_head_dim, m.kda_decay_rank
+        hk = H * K
+        proj = 3 * d * hk + d * H + d * r + r * hk + d * hk + hk * d  # q,k,v; beta; decay; gate; out
+        C = min(m.kda_chunk_size, seq_len)
+        core = H * (C * 3 * K + 3 * K * K)  # intra-chunk (qk^T, kk^T, Av) + inter-chunk state work, per token
+        return 2.0 * (proj + core)
+    H = m.num_attention_heads
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    q = d * m.q_lora_rank + m.q_lora_rank * H * qk if m.q_lora_rank > 0 else d * H * qk
+    kv = d * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * H * (m.qk_nope_head_dim + m.v_head_dim)
+    gate = d * H * m.v_head_dim if m.mla_use_output_gate else 0
+    out = H * m.v_head_dim * d
+    core = H * (qk + m.v_head_dim) * (seq_len + 1) / 2  # causal: half the keys on average
+    return 2.0 * (q + kv + gate + out + core)
+
+
+def _ffn_flops(m: Any, moe: bool) -> float:
+    d = m.hidden_size
+    if not moe:
+        return 2.0 * 3 * d * m.intermediate_size
+    lat = m.routed_expert_hidden_size
+    routed = m.num_experts_per_token * 3 * lat * m.moe_intermediate_size
+    shared = m.num_shared_experts * 3 * d * m.shared_expert_intermediate_size
+    return 2.0 * (d * m.num_experts + 2 * d * lat + routed + shared)
+
+
+def layer_cost(m: Any, i: int, seq_len: int) -> float:
+    """Forward FLOPs per token of backbone layer ``i`` (0-based): mixer (KDA/MLA) + FFN (dense/MoE) + its two
+    AttnRes aggregations (``sources x d`` multiply-adds each, sources = blocks so far + partial)."""
+    sources = 2 + i // m.attn_res_block_size
+    attnres = 2 * 2.0 * sources * m.hidden_size
+    return _mixer_flops(m, m.layer_kind(i), seq_len) + _ffn_flops(m, m.is_moe_layer(i)) + attnres
+
+
+def embed_cost(m: Any) -> float:
+    """The embedding is a lookup (no matmul); counted as ``2 d`` per token (read + scatter-add in backward)."""
+    return 2.0 * m.hidden_size
+
+
+def head_cost(m: Any, seq_len: int) -> float:
+    """Final AttnRes + norm + LM head, plus the MTP layer (an MLA + FFN block, its 2d->d projection and a second
+    pass through the shared LM head) when ``num_nextn_predict_layers > 0``."""
+    d, V = m.hidden_size, m.vocab_size
+    n_sources = 1 + m.num_hidden_layers // m.attn_res_block_size + (m.num_hidden_layers % m.attn_res_block_size > 0)
+    cost = 2.0 * d * V + 2.0 * n_sources * d
+    if m.num_nextn_predict_layers > 0:
+        last = m.num_hidden_layers - 1
+        cost += (_mixer_flops(m, "mla", seq_len) + _ffn_flops(m, m.is_moe_layer(last)) + 2.0 * 2 * d * d
+                 + 2.0 * d * V)
+    return cost
+
+
+# --------------------------------------------------------------------------------------------------------------
+# partition
+# --------------------------------------------------------------------------------------------------------------
+@dataclass
+class PipelinePartition:
+    """The layer plan. ``bounds[v] = (start, end)``: global layer range of virtual stage ``v``."""
+
+    pp: int
+    vpp: int
+    bounds: list[tuple[int, int]]
+    block_size: int
+    stage_costs: list[float] = field(default_factory=list)  # forward FLOPs/token per virtual stage
+    kinds: list[str] = field(default_factory=list)  # per layer: 'kda-dense', 'mla-moe', ...
+    source: str = "explicit"  # 'explicit' (parallel.pp_layers) | 'auto' (cost model) | 'single'
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.vpp
+
+    @property
+    def num_layers(self) -> int:
+        return self.bounds[-1][1]
+
+    def rank_of(self, v: int) -> int:
+        """Pipeline rank hosting virtual stage ``v``."""
+        return v % self.pp
+
+    def chunk_of(self, v: int) -> int:
+        """Local chunk index of virtual stage ``v`` on its rank."""
+        return v // self.pp
+
+    def stage(self, pp_rank: int, chunk: int) -> int:
+        """Virtual stage of ``(pp_rank, chunk)``."""
+        return chunk * self.pp + pp_rank
+
+    def local_stages(self, pp_rank: int) -> list[int]:
+        return [self.stage(pp_rank, c) for c in range(self.vpp)]
+
+    def local_chunks(self, pp_rank: int) -> list[tuple[int, int]]:
+        """``(start, end)`` layer ranges of this rank's chunks, in chunk order."""
+        return [self.bounds[v] for v in self.local_stages(pp_rank)]
+
+    def layers_per_stage(self) -> list[int]:
+        return [e - s for s, e in self.bounds]
+
+    def stage_of_layer(self, layer: int) -> int:
+        for v, (s, e) in enumerate(self.bounds):
+            if s <= layer < e:
+                return v
+        raise ValueError(f"layer {layer} outside 0..{self.num_layers - 1}")
+
+
+def _stage_cost(costs: list[float], s: int, e: int, v: int, n: int, first: float, last: float) -> float:
+    return sum(costs[s:e]) + (first if v == 0 else 0.0) + (last if v == n - 1 else 0.0)
+
+
+def auto_layers_per_stage(costs: list[float], n_stages: int, first_extra: float, last_extra: float) -> list[int]:
+    """Contiguous split of ``len(costs)`` layers into ``n_stages`` non-empty stages minimising the most expensive
+    stage (stage 0 also pays ``first_extra``, the last ``last_extra``). Exact dynamic programme, O(n L^2)."""
+    L = len(costs)
+    if L < n_stages:
+        raise ValueError(f"{L} layers cannot fill {n_stages} virtual stages")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[k][j]: min over splits of the first j layers into k stages of the max stage cost; arg[k][j] = cut
+    best = [[inf] * (L + 1) for _ in range(n_stages + 1)]
+    arg = [[0] * (L + 1) for _ in range(n_stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, n_stages + 1):
+        # stage k-1 covers layers [i, j); every earlier stage needs >= 1 layer, every later one too
+        for j in range(k, L - (n_stages - k) + 1):
+            for i in range(k - 1, j):
+                if best[k - 1][i] == inf:
+                    continue
+                c = prefix[j] - prefix[i] + (first_extra if k == 1 else 0.0) + (last_extra if k == n_stages else 0.0)
+                val = max(best[k - 1][i], c)
+                if val < best[k][j] - 1e-9 * max(1.0, abs(val)):
+                    best[k][j], arg[k][j] = val, i
+    sizes, j = [], L
+    for k in range(n_stages, 0, -1):
+        i = arg[k][j]
+        sizes.append(j - i)
+        j = i
+    return sizes[::-1]
+
+
+def build_partition(mcfg: Any, pcfg: Any, seq_len: int = 4096) -> PipelinePartition:
+    """The partition for ``ModelConfig`` ``mcfg`` and ``ParallelConfig`` ``pcfg`` (explicit ``pp_layers`` if set,
+    otherwise :func:`auto_layers_per_stage` under the cost model at ``seq_len`` tokens per sequence).
+
+    Raises :class:`ConfigError` naming ``parallel.pp_layers`` / ``parallel.pp`` / ``parallel.vpp``.
+    """
+    pp, vpp, L = pcfg.pp, pcfg.vpp, mcfg.num_hidden_layers
+    for key, val in (("parallel.pp", pp), ("parallel.vpp", vpp)):
+        if not isinstance(val, int) or val < 1:
+            raise ConfigError(f"{key}: must be a positive integer, got {val!r}")
+    n = pp * vpp
+    costs = [layer_cost(mcfg, i, seq_len) for i in range(L)]
+    first, last = embed_cost(mcfg), head_cost(mcfg, seq_len)
+    if pp == 1:
+        # no pipeline: one chunk holds everything (vpp and pp_layers have no meaning without a pipeline)
+        sizes, n, vpp, source = [L], 1, 1, "single"
+    elif pcfg.pp_layers:
+        sizes, source = list(pcfg.pp_layers), "explicit"
+        if len(sizes) != n:
+            raise ConfigError(f"parallel.pp_layers: has {len(sizes)} entries but pp*vpp = {pp}*{vpp} = {n} "
+                              "virtual stages")
+        if any((not isinstance(s, int)) or s < 1 for s in sizes):
+            raise ConfigError(f"parallel.pp_layers: every virtual stage needs >= 1 layer, got {sizes}")
+        if sum(sizes) != L:
+            raise ConfigError(f"parallel.pp_layers: sums to {sum(sizes)} layers but model.num_hidden_layers = {L}")
+    else:
+        if L < n:
+            raise ConfigError(f"parallel.vpp: {L} layers cannot fill pp*vpp = {pp}*{vpp} = {n} virtual stages "
+                              "(every virtual stage needs at least one layer)")
+        sizes, source = auto_layers_per_stage(costs, n, first, last), "auto"
+    bounds, s = [], 0
+    for k in sizes:
+        bounds.append((s, s + k))
+        s += k
+    stage_costs = [_stage_cost(costs, a, b, v, n, first, last) for v, (a, b) in enumerate(bounds)]
+    kinds = [f"{mcfg.layer_kind(i)}-{'moe' if mcfg.is_moe_layer(i) else 'dense'}" for i in range(L)]
+    return PipelinePartition(pp=pp, vpp=vpp, bounds=bounds,
+                             block_size=mcfg.attn_res_block_size, stage_costs=stage_costs, kinds=kinds,
+                             source=source)
+
+
+def describe_partition(part: PipelinePartition) -> str:
+    """A table (one line per virtual stage): rank, chunk, layer range, layer kinds, extras, estimated cost."""
+    total = sum(part.stage_costs) or 1.0
+    n = part.num_stages
+    lines = [f"pipeline partition ({part.source}): pp={part.pp} vpp={part.vpp} -> {n} virtual stages, "
+             f"{part.num_layers} layers, AttnRes blocks of {part.block_size}",
+             f"{'vstage':>6} {'rank':>4} {'chunk':>5} {'layers':>10} {'n':>3}  {'kinds':<28} {'extras':<14} "
+             f"{'MFLOP/tok':>10} {'share':>6}"]
+    for v, (s, e) in enumerate(part.bounds):
+        ks = part.kinds[s:e]
+        mix = {k: sum(1 for x in ks if x.startswith(k)) for k in ("kda", "mla")}
+        ffn = {k: sum(1 for x in ks if x.endswith(k)) for k in ("dense", "moe")}
+        kinds = " ".join(f"{c}{k}" for k, c in (*mix.items(), *ffn.items()) if c)
+        extras = ",".join(x for x, on in (("embed", v == 0), ("head+mtp", v == n - 1)) if on) or "-"
+        cut = "" if s % part.block_size == 0 else "*"  # '*': the stage starts inside an AttnRes block
+        lines.append(f"{v:>6} {part.rank_of(v):>4} {part.chunk_of(v):>5} {f'[{s},{e}){cut}':>10} {e - s:>3}  "
+                     f"{kinds:<28} {extras:<14} {part.stage_costs[v] / 1e6:>10.2f} "
+                     f"{100 * part.stage_costs[v] / total:>5.1f}%")
+    imb = max(part.stage_costs) / (total / n)
+    lines.append(f"max/mean stage cost = {imb:.3f}  ('*' = stage starts mid-block: a partial sum crosses the cut)")
+    return "\n".join(lines)

@@ -1,0 +1,334 @@
+"""Step runners: one training step's forward + backward over a list of micro-batches, on one rank.
+
+``build_step_runner(model, cfg, dims)`` returns a :class:`LocalRunner` (pp = 1: plain gradient accumulation) or a
+:class:`PipelineRunner` (pp > 1: the interleaved / 1F1B / AFAB schedule with cache-based AttnRes communication).
+Both have the same interface:
+
+    runner.modules                      [the rank's (pruned) model]  -- all chunks live in one module, full FQNs
+    runner.chunks                       [(start, end)] layer range of each local chunk
+    runner.chunk_params                 [[Parameter]] per local chunk (+ runner.shared_params: the MTP-shared
+                                        embedding copy, reduced over the ``embd`` group at the end of the step)
+    runner.replica_params               the last stage's copy of the shared embedding (exclude from grad norms)
+    runner.on_chunk_backward_done       None or callable(params: list[Parameter]); called once per step for
+                                        every group of parameters as soon as their gradients are final (the
+                                        last micro-batch's backward of that chunk; the shared embedding after
+                                        its cross-stage sum) -- Pipeline ZeRO-2: ``optimizer.reduce_chunk_grads``
+    runner.forward_backward(micro_batches, norm) -> dict   (gradients accumulate into .grad)
+
+Gradients after ``forward_backward`` are this rank's contributions to the global-batch mean loss (LossNorm);
+the data-parallel reduction is the optimizer's job.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallel.comm_stats import ByteCounter
+from parallel.pipeline.attnres_comm import AttnResCommPlan, BlockCache, StageInput
+from parallel.pipeline.loss_norm import LossNorm
+from parallel.pipeline.p2p import Instr, P2PTransport, build_programs
+from parallel.pipeline.partition import PipelinePartition, build_partition, describe_partition
+from parallel.pipeline.schedules import (Action, Message, build_schedule, resolve_schedule, simulate,
+                                         theoretical_bubble)
+from parallel.pipeline.stage import build_stage_model, chunk_param_groups, run_maybe_recomputed, shares_embedding
+
+log = logging.getLogger(__name__)
+
+STAT_KEYS = ("lm_loss_sum", "mtp_loss_sum", "lm_tokens", "mtp_tokens")
+
+
+def default_make_seq(batch: Any) -> Any:
+    """``SeqInfo.from_doc_ids(batch.doc_ids, batch.positions)`` (no context parallelism)."""
+    from k3train.model.seq import SeqInfo
+
+    return SeqInfo.from_doc_ids(batch.doc_ids, batch.positions)
+
+
+def _default_state_cls() -> type:
+    from k3train.model.attnres import AttnResState
+
+    return AttnResState
+
+
+class StepRunner:
+    """Shared parts of the runners (see module docstring)."""
+
+    def __init__(self, model: nn.Module, cfg: Any, dims: Any, partition: PipelinePartition,
+                 make_seq: Callable[[Any], Any], on_chunk_backward_done: Callable[[list[nn.Parameter]], None] | None,
+                 recompute: bool) -> None:
+        self.model, self.cfg, self.dims, self.partition = model, cfg, dims, partition
+        self.modules: list[nn.Module] = [model]
+        self.pp_rank = dims.pp_rank if partition.pp > 1 else 0
+        self.chunks: list[tuple[int, int]] = partition.local_chunks(self.pp_rank)
+        self.make_seq, self.on_chunk_backward_done, self.recompute = make_seq, on_chunk_backward_done, recompute
+        self.counter = ByteCounter()
+        self.shared_embedding = shares_embedding(model, partition)
+        self.chunk_params, self.shared_params = chunk_param_groups(model, partition, self.pp_rank,
+                                                                   self.shared_embedding)
+        # copies of a parameter another stage also holds (the last stage's embedding copy): count them once in
+        # a global gradient norm and save them once in checkpoints
+        self.replica_params: list[nn.Parameter] = (list(self.shared_params)
+                                                   if self.shared_embedding and self.pp_rank == partition.pp - 1
+                                                   else [])
+        self.last_stats: dict[str, Any] = {}
+
+    def _hook(self, params: list[nn.Parameter]) -> None:
+        if self.on_chunk_backward_done is not None and params:
+            self.on_chunk_backward_done(params)
+
+    def _new_stats(self) -> dict[str, Any]:
+        return {k: 0.0 for k in STAT_KEYS} | {"loss": 0.0, "compute_s": 0.0}
+
+    @staticmethod
+    def _add_sums(stats: dict[str, Any], sums: dict[str, torch.Tensor], loss: torch.Tensor) -> None:
+        # detached tensors (no device sync per micro-batch); converted to floats by _finish_sums
+        for k in STAT_KEYS:
+            if k in sums:
+                stats[k] = stats[k] + sums[k].detach().float()
+        stats["loss"] = stats["loss"] + loss.detach().float()
+
+    @staticmethod
+    def _finish_sums(stats: dict[str, Any]) -> None:
+        for k in (*STAT_KEYS, "loss"):
+            stats[k] = float(stats[k])
+
+    def forward_backward(self, micro_batches: list[Any], norm: LossNorm) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class LocalRunner(StepRunner):
+    """pp = 1: gradient accumulation over the micro-batches through the same interface."""
+
+    def forward_backward(self, micro_batches: list[Any], norm: LossNorm) -> dict[str, Any]:
+        """Forward + backward of every micro-batch on the whole model. Returns the summed loss statistics."""
+        t_step = time.perf_counter()
+        stats = self._new_stats()
+        self.counter.reset()
+        L = self.partition.num_layers
+        for batch in micro_batches:
+            seq = self.make_seq(batch)
+
+            def run(batch: Any = batch, seq: Any = seq) -> dict[str, torch.Tensor]:
+                state = self.model.forward_layers(self.model.embed(batch.tokens), 0, L, seq)
+                return self.model.loss_sums(state, batch, seq)
+
+            sums = run_maybe_recomputed(run, self.recompute)
+            loss = norm(sums)
+            loss.backward()
+            self._add_sums(stats, sums, loss)
+        for params in self.chunk_params:
+            self._hook(params)
+        self._finish_sums(stats)
+        stats.update(self.counter.as_stats())
+        stats["compute_s"] = stats["step_s"] = time.perf_counter() - t_step
+        self.last_stats = stats
+        return stats
+
+
+class PipelineRunner(StepRunner):
+    """pp > 1: runs this rank's program (schedule + p2p posts), see parallel/pipeline/p2p.py."""
+
+    def __init__(self, *args: Any, schedule: str, attnres_comm: str, wire_dtype: torch.dtype,
+                 state_cls: type, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        part, dims = self.partition, self.dims
+        self.schedule, self.wire_dtype, self.state_cls = schedule, wire_dtype, state_cls
+        self.plan = AttnResCommPlan(part, attnres_comm)
+        self.n_stages = part.num_stages
+        self.hidden = self.cfg.model.hidden_size
+        max_items = 2 + part.num_layers // part.block_size + 1
+        self.p2p = P2PTransport(dims.ranks("pp"), part.pp, self.n_stages - 1, max_items, self.counter)
+        self.embd_group = dims.group("embd") if self.shared_embedding else None
+        self._programs: dict[int, tuple[list[Action], list[Instr], float]] = {}
+        self.device = next(self.model.parameters()).device
+
+    # ---------------------------------------------------------------------------------------------------------
+    def program(self, num_microbatches: int) -> tuple[list[Action], list[Instr], float]:
+        """``(actions, program, simulated bubble)`` of this rank for ``num_microbatches`` (cached)."""
+        if num_microbatches not in self._programs:
+            pp, vpp = self.partition.pp, self.partition.vpp
+            sched = build_schedule(self.schedule, pp, vpp, num_microbatches)
+            sim = simulate(sched, pp, vpp)
+            programs = build_programs(sched, pp, vpp, sim)
+            self._programs[num_microbatches] = (sched[self.pp_rank], programs[self.pp_rank], sim.bubble)
+            log.info("pipeline schedule %s: pp=%d vpp=%d M=%d; bubble (f=1, b=2) simulated %.3f, formula "
+                     "(pp-1)/(vpp*M+pp-1) = %.3f", self.schedule, pp, vpp, num_microbatches, sim.bubble,
+                     theoretical_bubble(pp, vpp, num_microbatches))
+        return self._programs[num_microbatches]
+
+    def _specs(self, msg: Message, batches: list[Any]) -> tuple[list[tuple[tuple[int, ...], torch.dtype]], list[str]]:
+        B, T = batches[msg.mb].tokens.shape[:2]
+        items = self.plan.payload(msg.stage).items()
+        specs = [((B, T, self.hidden), self.wire_dtype)] * len(items)
+        kinds = (["hidden" if it == "partial" else "block_cache" for it in items] if msg.kind == "act"
+                 else ["grad"] * len(items))
+        return specs, kinds
+
+    # ---------------------------------------------------------------------------------------------------------
+    def forward_backward(self, micro_batches: list[Any], norm: LossNorm) -> dict[str, Any]:
+        """One step of the pipeline schedule over ``micro_batches`` (the same list on every pipeline rank of this
+        pipeline: every stage needs the sequence layout, the last stage the labels). Collectives: p2p on the
+        default group between this pipeline's ranks; an all-reduce over ``embd`` when the MTP shares the
+        embedding. Returns this rank's stats (loss sums are non-zero on the last stage only) and p2p bytes."""
+        program = self.begin_step(micro_batches, norm)
+        for ins in program:
+            self.run_instr(ins)
+        return self.end_step()
+
+    # The step in three parts, so that a test can interleave the programs of several ranks in one process.
+    def begin_step(self, micro_batches: list[Any], norm: LossNorm) -> list[Instr]:
+        """Reset per-step state; returns this rank's program for ``len(micro_batches)``."""
+        self._t_step = time.perf_counter()
+        actions, program, _ = self.program(len(micro_batches))
+        self.counter.reset()
+        self._batches, self._norm = micro_batches, norm
+        self._seqs = [self.make_seq(b) for b in micro_batches]
+        self._stats = self._new_stats()
+        self._last_b = {a.chunk: i for i, a in enumerate(actions) if a.kind == "B"}
+        self._idx_of = {a: i for i, a in enumerate(actions)}
+        self._cache = BlockCache(self.plan, self.pp_rank)
+        self._saved: dict[tuple[int, int], tuple[StageInput | None, Any]] = {}
+        self._outbox: dict[Message, list[torch.Tensor]] = {}
+        return program
+
+    def run_instr(self, ins: Instr) -> None:
+        """Execute one program instruction (post a receive, post a send, or run a forward/backward)."""
+        if ins.op == "recv":
+            specs, kinds = self._specs(ins.msg, self._batches)
+            self.p2p.post_recv(ins.msg, specs, kinds, self.device)
+        elif ins.op == "send":
+            _, kinds = self._specs(ins.msg, self._batches)
+            self.p2p.send(ins.msg, [t.to(self.wire_dtype) for t in self._outbox.pop(ins.msg)], kinds)
+        else:
+            a = ins.action
+            t0 = time.perf_counter()
+            if a.kind == "F":
+                self._forward(a)
+            else:
+                self._backward(a)
+            self._stats["compute_s"] += time.perf_counter() - t0
+            if a.kind == "B" and self._last_b[a.chunk] == self._idx_of[a]:
+                self._hook(list(self.chunk_params[a.chunk]))
+
+    def end_step(self, sync_shared: bool = True) -> dict[str, Any]:
+        """Wait for outstanding sends, check nothing leaked, sum the shared embedding's gradient copies
+        (``sync_shared``), release them to the hook; returns the step's stats."""
+        self.p2p.finish()
+        if self._saved or self._outbox:
+            raise RuntimeError(f"pipeline step left state behind: saved {sorted(self._saved)}, "
+                               f"outbox {sorted(self._outbox)}")
+        self._cache.check_empty()
+        if sync_shared:
+            self.sync_shared_embedding()
+        stats = self._stats
+        self._finish_sums(stats)
+        stats.update(self.counter.as_stats())
+        stats["step_s"] = time.perf_counter() - self._t_step
+        self.last_stats = stats
+        self._batches, self._seqs, self._norm = [], [], None
+        return stats
+
+    def _forward(self, a: Action) -> None:
+        cache, saved, outbox, stats = self._cache, self._saved, self._outbox, self._stats
+        batches, seqs, norm = self._batches, self._seqs, self._norm
+        pp = self.partition.pp
+        v = a.chunk * pp + self.pp_rank
+        s, e = self.partition.bounds[v]
+        first, last = v == 0, v == self.n_stages - 1
+        batch, seq = batches[a.mb], seqs[a.mb]
+        inp = None if first else cache.build_input(a.chunk, a.mb, self.p2p.wait(Message("act", v - 1, a.mb)))
+        model = self.model
+
+        def run() -> Any:
+            state = (model.embed(batch.tokens) if first
+                     else self.state_cls(blocks=list(inp.blocks), partial=inp.partial))
+            state = model.forward_layers(state, s, e, seq)
+            return model.loss_sums(state, batch, seq) if last else state
+
+        out = run_maybe_recomputed(run, self.recompute)
+        if last:
+            loss = norm(out)
+            self._add_sums(stats, out, loss)
+            cache.after_forward(a.chunk, a.mb, [])  # the last chunk: frees this micro-batch's cache entry
+            saved[(a.chunk, a.mb)] = (inp, loss)
+        else:
+            outbox[Message("act", v, a.mb)] = cache.outgoing(v, out.blocks, out.partial)
+            cache.after_forward(a.chunk, a.mb, out.blocks)
+            saved[(a.chunk, a.mb)] = (inp, out)
+
+    def _backward(self, a: Action) -> None:
+        cache, saved, outbox = self._cache, self._saved, self._outbox
+        v = a.chunk * self.partition.pp + self.pp_rank
+        inp, out = saved.pop((a.chunk, a.mb))
+        if v == self.n_stages - 1:
+            roots, grads = [out], [None]
+        else:
+            received = self.p2p.wait(Message("grad", v, a.mb))
+            roots, grads = cache.output_grads(a.chunk, a.mb, out.blocks, out.partial, received)
+        if roots:
+            torch.autograd.backward(roots, grads)
+        if inp is not None:
+            outbox[Message("grad", v - 1, a.mb)] = cache.input_grads(a.chunk, a.mb, inp)
+
+    def sync_shared_embedding(self, all_reduce: bool = True) -> None:
+        """Sum the two copies' gradients of the MTP-shared embedding (first + last stage) over the ``embd`` group
+        (skipped with ``all_reduce=False``, when the caller sums them itself), then release them to the hook."""
+        if not self.shared_params:
+            return
+        for p in self.shared_params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if all_reduce and self.embd_group is not None:
+                dist.all_reduce(p.grad, group=self.embd_group)
+        self._hook(self.shared_params)
+
+
+def build_step_runner(model: nn.Module | Callable[[], nn.Module] | None, cfg: Any, dims: Any, *,
+                      make_seq: Callable[[Any], Any] | None = None,
+                      on_chunk_backward_done: Callable[[list[nn.Parameter]], None] | None = None,
+                      seed: int | None = None, device: torch.device | str | None = None,
+                      wire_dtype: torch.dtype | None = None, state_cls: type | None = None,
+                      num_microbatches: int | None = None) -> StepRunner:
+    """Build this rank's model stage and its step runner.
+
+    Args:
+        model: a zero-argument factory (built on meta, pruned, materialised on ``device``, ``init_weights(seed)``),
+            a model instance (pruned in place, not re-initialised), or ``None`` for ``K3Model(cfg.model)``.
+        cfg: the validated :class:`k3train.config.Config` (``parallel.*``, ``model.*``, ``train.seq_len``).
+        dims: :class:`parallel.dims.ParallelDims` with groups built (uses ``pp`` ranks and the ``embd`` group).
+        make_seq: ``batch -> SeqInfo`` (default: no CP); under CP pass one that attaches the KCP context.
+        on_chunk_backward_done: see module docstring.
+        seed: init seed (default ``cfg.train.seed``); device: default CPU (or the instance's device).
+        wire_dtype: dtype of p2p payloads (default fp32 for ``train.dtype=float32``, else bf16).
+        num_microbatches: if given, validated against the schedule now (clear error at start-up).
+    """
+    pcfg = cfg.parallel
+    part = build_partition(cfg.model, pcfg, cfg.train.seq_len)
+    schedule = resolve_schedule(pcfg.schedule, pcfg.pp, pcfg.vpp) if part.pp > 1 else "none"
+    if num_microbatches is not None and part.pp > 1:
+        build_schedule(schedule, part.pp, part.vpp, num_microbatches)  # raises ConfigError if impossible
+    if dims.rank == 0:
+        log.info("%s", describe_partition(part))
+    if model is None:
+        from k3train.model.model import K3Model
+
+        def model() -> nn.Module:  # noqa: F811 - the default factory
+            return K3Model(cfg.model)
+    if device is None:
+        device = next(model.parameters()).device if isinstance(model, nn.Module) else torch.device("cpu")
+    pp_rank = dims.pp_rank if part.pp > 1 else 0
+    stage_model = build_stage_model(model, part, pp_rank, cfg.train.seed if seed is None else seed,
+                                     torch.device(device))
+    make_seq = make_seq or default_make_seq
+    common = dict(make_seq=make_seq, on_chunk_backward_done=on_chunk_backward_done, recompute=pcfg.recompute)
+    if part.pp == 1:
+        return LocalRunner(stage_model, cfg, dims, part, **common)
+    if wire_dtype is None:
+        wire_dtype = torch.float32 if cfg.train.dtype == "float32" else torch.bfloat16
+    return PipelineRunner(stage_model, cfg, dims, part, schedule=schedule, attnres_comm=pcfg.attnres_comm,
+                          wire_dtype=wire_dtype, state_cls=state_cls or _default_state_cls(), **common)

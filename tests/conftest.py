@@ -1,0 +1,9 @@
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -1,0 +1,146 @@
+"""Shared helpers for the pipeline tests: a tiny K3 config, micro-batches, the single-process reference, and an
+in-process driver that runs every pipeline rank's program in one process over an in-memory transport (the same
+runner code minus gloo; the multi-process tests cover the gloo transport)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from k3train.config import Config, load_config
+from k3train.data.batch import Batch
+from k3train.model.model import K3Model
+from k3train.model.seq import SeqInfo
+from parallel.comm_stats import ByteCounter
+from parallel.dims import ParallelDims
+from parallel.pipeline import LossNorm, build_step_runner
+from parallel.pipeline.schedules import Message, deps_of
+
+ROOT = Path(__file__).resolve().parents[2]
+SEED = 7
+EOS = 1
+
+
+def tiny_cfg(pp: int = 2, vpp: int = 1, dp: int = 1, *, layers: int = 8, pp_layers: list[int] | None = None,
+             comm: str = "cached", schedule: str = "auto", recompute: bool = False, micro_batches: int = 4,
+             mtp: int = 1, extra: list[str] | None = None) -> Config:
+    """configs/tiny.yaml shrunk further (hidden 32, vocab 256, 4 experts, seq 12), blocks of 3 layers."""
+    ov = ["--model.hidden_size=32", "--model.vocab_size=256", "--model.num_experts=4",
+          "--model.intermediate_size=64", "--model.shared_expert_intermediate_size=32",
+          "--model.routed_expert_hidden_size=16", "--model.moe_intermediate_size=16", "--model.kda_chunk_size=16",
+          f"--model.num_hidden_layers={layers}", "--model.attn_res_block_size=3",
+          f"--model.num_nextn_predict_layers={mtp}",
+          f"--parallel.pp={pp}", f"--parallel.vpp={vpp}", f"--parallel.dp={dp}", f"--parallel.attnres_comm={comm}",
+          f"--parallel.schedule={schedule}", f"--parallel.recompute={str(recompute).lower()}",
+          "--train.seq_len=12", "--train.micro_batch_size=1", f"--train.global_batch_size={micro_batches * dp}",
+          "--train.device=cpu"]
+    if pp_layers:
+        ov.append(f"--parallel.pp_layers=[{','.join(map(str, pp_layers))}]")
+    return load_config(ROOT / "configs" / "tiny.yaml", ov + (extra or []), world_size=pp * dp)
+
+
+def make_batches(cfg: Config, n: int, seed: int = 0) -> list[Batch]:
+    """``n`` micro-batches of random tokens with a few EOS (several documents per row)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        s = torch.randint(3, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.train.seq_len + 1), generator=g)
+        s[torch.rand(s.shape, generator=g) < 0.12] = EOS
+        out.append(Batch.from_samples(s, eos_id=EOS))
+    return out
+
+
+def full_model(cfg: Config, seed: int = SEED) -> K3Model:
+    m = K3Model(cfg.model)
+    m.init_weights(seed)
+    return m
+
+
+def reference(cfg: Config, batches: list[Batch], seed: int = SEED) -> tuple[dict[str, torch.Tensor], dict]:
+    """Single-process gradients (by FQN) and summed loss stats of the global batch ``batches``."""
+    model = full_model(cfg, seed)
+    norm = LossNorm.from_batches(batches, cfg.model.mtp_loss_weight)
+    stats = {"loss": 0.0, "lm_loss_sum": 0.0, "mtp_loss_sum": 0.0}
+    L = cfg.model.num_hidden_layers
+    for b in batches:
+        seq = SeqInfo.from_doc_ids(b.doc_ids, b.positions)
+        sums = model.loss_sums(model.forward_layers(model.embed(b.tokens), 0, L, seq), b, seq)
+        loss = norm(sums)
+        loss.backward()
+        stats["loss"] += float(loss.detach())
+        stats["lm_loss_sum"] += float(sums["lm_loss_sum"].detach())
+        stats["mtp_loss_sum"] += float(sums["mtp_loss_sum"].detach())
+    grads = {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
+    return grads, stats
+
+
+def assert_grads_match(model: torch.nn.Module, ref: dict[str, torch.Tensor], atol: float = 1e-6,
+                       rtol: float = 1e-5) -> int:
+    """Every parameter of the (pruned) ``model`` has the reference gradient of the same FQN. Returns the count."""
+    n = 0
+    for name, p in model.named_parameters():
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        assert name in ref, f"{name} not in the full model"
+        torch.testing.assert_close(g, ref[name], atol=atol, rtol=rtol, msg=lambda m, name=name: f"{name}: {m}")
+        n += 1
+    return n
+
+
+class InProcessTransport:
+    """Mailbox transport shared by the runners of one in-process pipeline (same interface as P2PTransport)."""
+
+    def __init__(self, mailbox: dict[Message, list[torch.Tensor]], counter: ByteCounter) -> None:
+        self.mailbox, self.counter = mailbox, counter
+
+    def send(self, msg: Message, tensors: list[torch.Tensor], kinds: list[str]) -> None:
+        assert msg not in self.mailbox, f"{msg} sent twice"
+        self.mailbox[msg] = [t.detach().clone() for t in tensors]
+        for t, k in zip(tensors, kinds):
+            self.counter.add_sent(k, t)
+
+    def post_recv(self, msg: Message, specs: list, kinds: list[str], device: torch.device) -> None:
+        for (shape, dtype), k in zip(specs, kinds):
+            self.counter.add_recv(k, torch.empty(shape, dtype=dtype, device="meta"))
+
+    def wait(self, msg: Message) -> list[torch.Tensor]:
+        return self.mailbox.pop(msg)
+
+    def finish(self) -> None:
+        pass
+
+
+def in_process_pipeline(cfg: Config, batches: list[Batch], seed: int = SEED,
+                        norm: LossNorm | None = None) -> tuple[list[Any], list[dict]]:
+    """Build all ``pp`` runners in this process and run one step cooperatively. Returns (runners, stats)."""
+    pp = cfg.parallel.pp
+    norm = norm or LossNorm.from_batches(batches, cfg.model.mtp_loss_weight)
+    mailbox: dict[Message, list[torch.Tensor]] = {}
+    runners = []
+    for r in range(pp):
+        dims = ParallelDims(pp=pp, dp=1, cp=1, world_size=pp, rank=r)  # no process groups: in-process
+        run = build_step_runner(lambda: K3Model(cfg.model), cfg, dims, seed=seed)
+        run.p2p = InProcessTransport(mailbox, run.counter)
+        runners.append(run)
+    programs = [run.begin_step(batches, norm) for run in runners]
+    pos = [0] * pp
+    vpp = cfg.parallel.vpp
+    while any(pos[r] < len(programs[r]) for r in range(pp)):
+        progressed = False
+        for r in range(pp):
+            while pos[r] < len(programs[r]):
+                ins = programs[r][pos[r]]
+                if ins.op == "compute" and any(d not in mailbox for d in deps_of(ins.action, r, pp, vpp)):
+                    break
+                runners[r].run_instr(ins)
+                pos[r] += 1
+                progressed = True
+        assert progressed, f"in-process pipeline stuck at {pos}"
+    stats = [run.end_step(sync_shared=False) for run in runners]
+    if runners[0].shared_params:  # the embd all-reduce, done by hand
+        first, last = runners[0].shared_params[0], runners[-1].shared_params[0]
+        total = first.grad + last.grad
+        first.grad, last.grad = total.clone(), total.clone()
+        for run in (runners[0], runners[-1]):
+            run.sync_shared_embedding(all_reduce=False)
+    return runners, stats

@@ -1,0 +1,170 @@
+"""Benchmark KCP: bytes moved per rank per layer (analytic at K3 dims, measured with gloo) and the fold's time share.
+
+    .venv/bin/python tools/bench_kcp.py                       # analytic table + gloo runs at CP 2 and 4
+    .venv/bin/python tools/bench_kcp.py --cp 2 --T 512 2048 --reps 2
+
+Part 1 (analytic, K3 dims: 96 heads x 128, latent 576, conv kernel 4, one row): bytes moved per rank per KDA layer
+(forward + backward) by KCP -- the (M, S~) all-gather, the entry-gradient all-gather, the conv halos -- next to
+all-gathering the bf16 K and V of the preceding segments (and K, V, g, beta, which a recompute-from-inputs
+scheme actually needs), and the MLA latent all-gather + reduce-scatter. "Moved per rank" = what a ring
+collective puts on each rank's link (see kcp/comm.py).
+
+Part 2 (measured, gloo on this CPU, small dims): one row, one document spanning all ranks (the worst case for the
+fold); per CP rank the wall time of the KCP KDA forward+backward, of the gather+fold sections (forward and
+backward), of the local pair pass, and of plain chunk_kda on the same segment without CP; the table shows the
+slowest rank and the measured KDA bytes per call (flat in T). Timings on a shared CPU are indicative only.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from k3train.ops.kda import chunk_kda  # noqa: E402
+from kcp import KCPContext  # noqa: E402
+from kcp.pairs import flatten_tokens  # noqa: E402
+
+K3 = dict(H=96, K=128, V=128, latent=576, conv_n=3, act_bytes=2)
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1024 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TB"
+
+
+def analytic_rows(cps: list[int], t_fulls: list[int]) -> list[tuple]:
+    H, K, V, L, n, ab = K3["H"], K3["K"], K3["V"], K3["latent"], K3["conv_n"], K3["act_bytes"]
+    rows = []
+    for cp in cps:
+        for T in t_fulls:
+            t = T // cp
+            kcp_fwd = (cp - 1) * H * K * (K + V) * 4           # fp32 (M, S~) all-gather
+            kcp_bwd = (cp - 1) * H * K * V * 4                 # fp32 dL/dE all-gather
+            halo = 2 * 3 * n * H * K * ab                      # q, k, v conv halos, forward + backward p2p
+            kv = 2 * (cp - 1) * t * H * (K + V) * ab           # all-gather K, V fwd + reduce-scatter grads bwd
+            kvgb = 2 * (cp - 1) * t * H * (ab * (K + V) + 4 * K + 4)  # + fp32 g and beta
+            mla = (cp - 1) * t * L * ab + (cp - 1) * t * L * ab  # latent all-gather + grad reduce-scatter
+            rows.append((cp, T, kcp_fwd + kcp_bwd + halo, kv, kvgb, mla))
+    return rows
+
+
+def print_analytic(cps: list[int], t_fulls: list[int]) -> None:
+    print("Part 1: bytes moved per rank per layer, forward + backward, K3 dims, one row")
+    print(f"{'cp':>3} {'T_full':>8} | {'KCP KDA':>10} {'AG K,V':>10} {'AG K,V,g,b':>11} {'ratio':>8} | {'MLA latent':>10}")
+    for cp, T, kcp, kv, kvgb, mla in analytic_rows(cps, t_fulls):
+        print(f"{cp:>3} {T:>8} | {fmt_bytes(kcp):>10} {fmt_bytes(kv):>10} {fmt_bytes(kvgb):>11} "
+              f"{kv / kcp:>7.0f}x | {fmt_bytes(mla):>10}")
+    print()
+
+
+# ------------------------------------------------------------------------------------------------------------
+def _inputs(T: int, H: int, K: int, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(1, T, H, K, generator=gen), dim=-1)
+    k = F.normalize(torch.randn(1, T, H, K, generator=gen), dim=-1)
+    v = torch.randn(1, T, H, K, generator=gen)
+    g = -5.0 * torch.sigmoid(torch.randn(1, T, H, K, generator=gen) - 2.0)
+    beta = torch.sigmoid(torch.randn(1, T, H, generator=gen))
+    return [q, k, v, g, beta]
+
+
+def _worker(rank: int, cp: int, port: int, t_fulls: list[int], H: int, K: int, reps: int, q: mp.Queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=cp, timeout=timedelta(seconds=600))
+    try:
+        for T in t_fulls:
+            t = T // cp
+            full = _inputs(T, H, K, seed=T)
+            loc = [x[:, rank * t:(rank + 1) * t].clone().requires_grad_(True) for x in full]
+            doc_ids = torch.zeros(1, t, dtype=torch.long)  # one document over every rank
+            res = dict(total=0.0, fold=0.0, pairs=0.0, local=0.0, bytes=0)
+            for it in range(reps + 1):  # the first iteration warms up
+                ctx = KCPContext(None if cp == 1 else dist.group.WORLD, doc_ids,
+                                 torch.arange(rank * t, (rank + 1) * t)[None])
+                dist.barrier()
+                t0 = time.perf_counter()
+                o, _ = ctx.kda_with_state(*loc, output_final_state=False)
+                o.sum().backward()
+                t_total = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                o2, _ = chunk_kda(*(flatten_tokens(x) for x in loc))
+                o2.sum().backward()
+                t_local = time.perf_counter() - t0
+                if it > 0:
+                    s = ctx.stats.seconds
+                    res["total"] += t_total / reps
+                    res["fold"] += (s["kda_fold_fwd"] + s["kda_fold_bwd"]) / reps
+                    res["pairs"] += s["kda_pairs_fwd"] / reps
+                    res["local"] += t_local / reps
+                    res["bytes"] = ctx.stats.bytes["kda_fwd"] + ctx.stats.bytes["kda_bwd"]
+            q.put((rank, T, res))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_measured(cp: int, t_fulls: list[int], H: int, K: int, reps: int) -> dict[int, list[dict]]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, cp, port, t_fulls, H, K, reps, q)) for r in range(cp)]
+    for p in procs:
+        p.start()
+    out: dict[int, list[dict]] = {T: [] for T in t_fulls}
+    for _ in range(cp * len(t_fulls)):
+        rank, T, res = q.get(timeout=1800)
+        out[T].append(res)
+    for p in procs:
+        p.join()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cp", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--T", type=int, nargs="+", default=[512, 2048, 8192], help="full row lengths (measured)")
+    ap.add_argument("--heads", type=int, default=2)
+    ap.add_argument("--dk", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--analytic-only", action="store_true")
+    args = ap.parse_args()
+
+    print_analytic(sorted(set(args.cp) | {8, 16}), [32768, 131072, 524288, 1048576])
+    if args.analytic_only:
+        return
+    H, K = args.heads, args.dk
+    print(f"Part 2: gloo CPU, H={H}, dk=dv={K}, one row, one document over all ranks, slowest rank, "
+          f"fwd+bwd, mean of {args.reps}")
+    print(f"{'cp':>3} {'T_full':>7} | {'KCP kda ms':>10} {'local ms':>9} {'overhead':>8} | {'fold ms':>8} "
+          f"{'fold %':>6} {'pairs ms':>8} | {'KDA bytes/rank':>14} {'AG K,V bytes':>12}")
+    for cp in args.cp:
+        res = run_measured(cp, args.T, H, K, args.reps)
+        for T in args.T:
+            worst = max(res[T], key=lambda r: r["total"])
+            fold = max(r["fold"] for r in res[T])
+            pairs = max(r["pairs"] for r in res[T])
+            kv = 2 * (cp - 1) * (T // cp) * H * 2 * K * 4
+            print(f"{cp:>3} {T:>7} | {worst['total'] * 1e3:>10.1f} {worst['local'] * 1e3:>9.1f} "
+                  f"{worst['total'] / worst['local']:>7.2f}x | {fold * 1e3:>8.2f} "
+                  f"{100 * fold / worst['total']:>5.1f}% {pairs * 1e3:>8.1f} | "
+                  f"{fmt_bytes(max(r['bytes'] for r in res[T])):>14} {fmt_bytes(kv):>12}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+#!/usr/bin/env python
+"""Count a config's parameters: total and active per token, by component, from the real model on the meta device.
+
+    python tools/count_params.py --config configs/k3.yaml [--json] [--model.key=value ...]
+
+``total`` / ``active`` are the BACKBONE (excluding the MTP layer and the vision encoder, as the published
+2.78T / 104.2B); ``active`` leaves out the input embedding (a lookup) and counts k/E of the routed experts.
+The MTP layer is listed separately; ``vision`` is 0 until a vision encoder (MoonViT-V2) is part of K3Model.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from k3train.config import load_config  # noqa: E402
+from k3train.model import K3Model, param_breakdown  # noqa: E402
+from k3train.model.flops import model_flops_per_token  # noqa: E402
+
+
+def count(config: str, overrides: list[str] | None = None) -> dict:
+    """Build the model on the meta device and return :func:`param_breakdown` plus FLOPs per token."""
+    cfg = load_config(config, overrides or [])
+    with torch.device("meta"):
+        model = K3Model(cfg.model)
+    out = param_breakdown(model, cfg.model)
+    out["config"] = config
+    out["flops_per_token_train"] = model_flops_per_token(cfg.model, cfg.train.seq_len)
+    out["seq_len"] = cfg.train.seq_len
+    return out
+
+
+def _fmt(n: int) -> str:
+    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:,.3f}{unit}"
+    return str(n)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    args, overrides = ap.parse_known_args(argv)
+    res = count(args.config, overrides)
+    if args.json:
+        print(json.dumps(res))
+        return 0
+    print(f"{res['config']}: total {_fmt(res['total'])} ({res['total']:,}), active {_fmt(res['active'])} "
+          f"({res['active']:,}) per token  [backbone; excluding MTP and vision; embedding not active]")
+    print(f"{'component':<16}{'total':>22}{'active':>22}")
+    for name, c in res["breakdown"].items():
+        note = "  (not in total: MTP)" if name == "mtp" else "  (no vision encoder in K3Model yet)" if name == "vision" \
+            else ""
+        print(f"{name:<16}{c['total']:>22,}{c['active']:>22,}{note}")
+    print(f"with MTP: {_fmt(res['total_with_mtp'])}; training FLOPs/token at seq_len {res['seq_len']}: "
+          f"{res['flops_per_token_train']:.4g}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
