@@ -123,7 +123,8 @@ class ParallelConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 100
+    steps: int = 100  # length of the run (the LR schedule spans these steps)
+    stop_at_step: int = 0  # stop this invocation after this step (checkpointed) without changing the schedule
     seed: int = 1234
     out_dir: str = "runs/default"
     seq_len: int = 128

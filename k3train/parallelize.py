@@ -76,10 +76,10 @@ class ParallelModel:
         from moonep import collect_moonep_metrics, sync_router_balance
 
         m = sync_router_balance(self.modules, self.dims)
-        out: dict[str, Any] = {}
-        if "router/maxvio_max" in m:
-            out["moe_maxvio"] = m["router/maxvio_max"]
-            out["moe_maxvio_mean"] = m["router/maxvio_mean"]
+        if self.cfg.model.num_experts == 0:
+            return {}
+        # the same keys on every rank (a stage may hold no MoE layer): the trainer MAX-reduces them over pp
+        out: dict[str, Any] = {"moe_maxvio": m.get("router/maxvio_max", 0.0)}
         if self.dims.ep > 1:
             out.update({k: v for k, v in collect_moonep_metrics(self.modules).items()
                         if isinstance(v, (int, float)) and "/layer" not in k})
@@ -112,8 +112,7 @@ class ParallelModel:
                 local = v.to_local() if hasattr(v, "to_local") else v
                 if k in own and own[k].data_ptr() != local.data_ptr():
                     own[k].copy_(local)
-        if self.runner.replica_params and hasattr(self.runner, "sync_replica_weights"):
-            self.runner.sync_replica_weights()
+        self.runner.sync_replica_weights()  # collective over the first/last-stage pair (no-op without one)
 
 
 def parallelize(cfg: Config, dims: ParallelDims, device: torch.device) -> ParallelModel:

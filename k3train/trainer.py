@@ -39,6 +39,8 @@ def _setup_logging(rank: int, level: str) -> None:
         h.setFormatter(logging.Formatter(f"[rank{rank}] %(asctime)s %(levelname)s %(name)s: %(message)s",
                                          "%H:%M:%S"))
         root.addHandler(h)
+    for noisy in ("megatron", "torch.distributed.checkpoint"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 class Trainer:
@@ -58,8 +60,8 @@ class Trainer:
         from k3train.optim import build_optimizer, lr_at
 
         self._lr_at = lr_at
-        self.optimizer = build_optimizer(self.pm.modules, cfg, self.dims,
-                                         param_group_fn=self.pm.grad_group_fn)
+        self.optimizer = build_optimizer(self.pm.modules, cfg, self.dims, param_group_fn=self.pm.grad_group_fn,
+                                         norm_exclude=self.pm.runner.replica_params)
         self.pm.set_chunk_backward_hook(self.optimizer)
         from k3train.data import GlobalBatchLoader
 
@@ -108,6 +110,15 @@ class Trainer:
             dist.all_reduce(t)
         return t.tolist()
 
+    def _reduce_max(self, m: dict[str, Any]) -> dict[str, Any]:
+        """Load-balance metrics are worst-case over layers, and layers live on different pipeline ranks."""
+        keys = sorted(k for k, v in m.items() if isinstance(v, (int, float)))
+        if not dist.is_initialized() or self.dims.pp == 1:
+            return {k: m[k] for k in keys}
+        t = torch.tensor([float(m[k]) for k in keys] + [0.0], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.dims.group("pp"))
+        return dict(zip(keys, t.tolist()))
+
     def train_step(self) -> dict[str, Any]:
         cfg = self.cfg
         t0 = time.perf_counter()
@@ -144,7 +155,7 @@ class Trainer:
         if self.dims.pp > 1:
             rec.update(p2p_bytes=int(sums[2]), p2p_bytes_hidden=int(sums[3]), p2p_bytes_block_cache=int(sums[4]),
                        p2p_bytes_grad=int(sums[5]))
-        rec.update(moe)
+        rec.update(self._reduce_max(moe))
         rec.update(qk)
         rec.update({k: v for k, v in ostats.items() if k != "grad_norm" and isinstance(v, (int, float))})
         return rec
@@ -157,16 +168,17 @@ class Trainer:
             return
         log.info("training steps %d..%d", self.step + 1, total)
         interval = cfg.checkpoint.interval
-        while self.step < total:
+        stop = min(total, cfg.train.stop_at_step) if cfg.train.stop_at_step > 0 else total
+        while self.step < stop:
             rec = self.train_step()
             if not torch.isfinite(torch.tensor(rec["loss"])):
                 raise FloatingPointError(f"loss is {rec['loss']} at step {rec['step']}; last good checkpoint kept")
             self.metrics.log(rec)
             if self.step % cfg.logging.log_interval == 0 or self.step == total:
                 self.metrics.progress(rec, total)
-            if interval and self.step % interval == 0 and self.step < total:
+            if interval and self.step % interval == 0 and self.step < stop:
                 self.save_checkpoint()
-        if cfg.checkpoint.save_final:
+        if cfg.checkpoint.save_final or stop < total:
             self.save_checkpoint()
 
     def close(self) -> None:

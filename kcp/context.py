@@ -22,7 +22,7 @@ from kcp.fold import FoldPlan, SegmentDocs, plan_fold
 from kcp.halo import conv_halo
 from kcp.kda_cp import kcp_chunk_kda
 from kcp.mla_cp import gather_latent_prefix
-from kcp.pairs import KdaFn, LocalLayout, TransitionFn
+from kcp.pairs import KdaFn, LocalLayout
 
 logger = logging.getLogger(__name__)
 
@@ -42,19 +42,18 @@ class KCPContext:
         doc_ids: ``LongTensor[B, T]`` this rank's contiguous segment of every row (T equal on all CP ranks; ids
             shared by all ranks of a row, equal ids across a boundary = same document).
         positions: ``LongTensor[B, T]`` positions within the full row (default: ``cp_rank*T + 0..T-1``).
-        kda_fn / transition_fn: override ``chunk_kda`` / ``kda_transition`` (tests, other kernels).
+        kda_fn: override the chunked kernel ``chunk_kda`` (tests, other kernels).
     Collective over the CP group.
     """
 
     def __init__(self, dims_or_group: Any, doc_ids: Tensor, positions: Tensor | None = None, *,
-                 kda_fn: KdaFn | None = None, transition_fn: TransitionFn | None = None,
-                 stats: CommStats | None = None) -> None:
+                 kda_fn: KdaFn | None = None, stats: CommStats | None = None) -> None:
         if doc_ids.dim() != 2:
             raise ValueError(f"KCPContext: doc_ids must be [B, T], got {tuple(doc_ids.shape)}")
         self.group = _resolve_group(dims_or_group)
         self.size, self.rank = group_size_rank(self.group)
         self.stats = stats if stats is not None else CommStats()
-        self.kda_fn, self.transition_fn = kda_fn, transition_fn
+        self.kda_fn = kda_fn
         doc_ids = doc_ids.long()
         B, T = doc_ids.shape
         if positions is None:
@@ -110,8 +109,7 @@ class KCPContext:
         (on the last CP rank: the row's final state)."""
         self._check_bt(k, "kda")
         return kcp_chunk_kda(q, k, v, g, beta, layout=self.layout, plan=self.plan, group=self.group, scale=scale,
-                             output_final_state=output_final_state, kda_fn=self.kda_fn,
-                             transition_fn=self.transition_fn, stats=self.stats)
+                             output_final_state=output_final_state, kda_fn=self.kda_fn, stats=self.stats)
 
     def gather_latent(self, latent: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``latent [B, T, L] -> (latent_keys [B, (r+1)T, L], key_doc_ids, key_positions [B, (r+1)T])``.

@@ -25,7 +25,13 @@ logger = logging.getLogger(__name__)
 
 
 class CommBuffers:
-    """Grow-only persistent 2-D buffers keyed by ``(name, dtype, width, device)``; ``get`` returns a row view."""
+    """Grow-only persistent 2-D buffers keyed by ``(name, dtype, width, device)``; ``get`` returns a row view.
+
+    ``grows`` counts reallocations of the token buffers (``send``/``recv``), which are reserved at their worst case
+    and should never grow; other buffers (the reduce-back receive buffer, whose need is plan-dependent) grow to the
+    largest size seen."""
+
+    SIZED_UP_FRONT = ("send", "recv")
 
     def __init__(self) -> None:
         self._bufs: dict[tuple, torch.Tensor] = {}
@@ -35,7 +41,7 @@ class CommBuffers:
         key = (name, dtype, width, torch.device(device))
         buf = self._bufs.get(key)
         if buf is None or buf.shape[0] < rows:
-            if buf is not None:
+            if buf is not None and name in self.SIZED_UP_FRONT:
                 self.grows += 1
                 logger.warning("moonep: %s buffer grows from %d to %d rows (width %d)", name, buf.shape[0], rows,
                                width)

@@ -84,7 +84,7 @@ def collect_moonep_metrics(modules: nn.Module | Iterable[nn.Module], prefix: str
                 continue
             layers.append(summary)
             for key, val in summary.items():
-                out[f"{prefix}/{name}/{key}"] = val
+                out[f"{prefix}/{name or 'root'}/{key}"] = val
     if layers:
         out[f"{prefix}/worst_max_over_mean_before"] = max(s["load_max_over_mean_before_worst"] for s in layers)
         out[f"{prefix}/worst_max_over_mean_after"] = max(s["load_max_over_mean_after_worst"] for s in layers)

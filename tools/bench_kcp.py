@@ -11,8 +11,9 @@ collective puts on each rank's link (see kcp/comm.py).
 
 Part 2 (measured, gloo on this CPU, small dims): one row, one document spanning all ranks (the worst case for the
 fold); per CP rank the wall time of the KCP KDA forward+backward, of the gather+fold sections (forward and
-backward), of the local pair pass, and of plain chunk_kda on the same segment without CP; the table shows the
-slowest rank and the measured KDA bytes per call (flat in T). Timings on a shared CPU are indicative only.
+backward), of the local widened forward pass (kcp/pairs.py: augmented_pass), and of plain chunk_kda on the same
+segment without CP; the table shows the slowest rank and the measured KDA bytes per call (flat in T). Timings on a
+shared CPU are indicative only.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from k3train.ops.kda import chunk_kda  # noqa: E402
 from kcp import KCPContext  # noqa: E402
+from kcp.fold import fold_adjoint, fold_entry  # noqa: E402
 from kcp.pairs import flatten_tokens  # noqa: E402
 
 K3 = dict(H=96, K=128, V=128, latent=576, conv_n=3, act_bytes=2)
@@ -62,9 +64,29 @@ def analytic_rows(cps: list[int], t_fulls: list[int]) -> list[tuple]:
     return rows
 
 
+def chunk_kda_flops_per_token(H: int, K: int, V: int, C: int = 64) -> float:
+    """Approximate forward FLOPs per token of the chunked KDA core (grams, UT solve, outputs, chunk states)."""
+    per_chunk = C * C * (7 * K + 3 * V) + C * (2 * K * K + 4 * K * V) + 2 * K * K * V
+    return H * per_chunk / C
+
+
+def print_fold_flops(cps: list[int], t_fulls: list[int]) -> None:
+    H, K, V = K3["H"], K3["K"], K3["V"]
+    core = 3 * chunk_kda_flops_per_token(H, K, V)  # forward + backward ~ 3x forward
+    print("Part 1b: fold arithmetic vs the chunked KDA core on one rank (K3 dims, fwd+bwd FLOPs, one row)")
+    print(f"{'cp':>3} {'T_full':>8} | {'fold GFLOP':>10} {'core GFLOP':>10} {'fold share':>10}")
+    for cp in cps:
+        fold = (2 * cp - 1) * 2 * H * K * K * V  # (cp-1) fwd steps + (cp-1) adjoint steps + dM
+        for T in t_fulls:
+            c = core * (T // cp)
+            print(f"{cp:>3} {T:>8} | {fold / 1e9:>10.2f} {c / 1e9:>10.0f} {100 * fold / c:>9.4f}%")
+    print()
+
+
 def print_analytic(cps: list[int], t_fulls: list[int]) -> None:
     print("Part 1: bytes moved per rank per layer, forward + backward, K3 dims, one row")
-    print(f"{'cp':>3} {'T_full':>8} | {'KCP KDA':>10} {'AG K,V':>10} {'AG K,V,g,b':>11} {'ratio':>8} | {'MLA latent':>10}")
+    print(f"{'cp':>3} {'T_full':>8} | {'KCP KDA':>10} {'AG K,V':>10} {'AG K,V,g,b':>11} {'ratio':>8} | "
+          f"{'MLA latent':>10}")
     for cp, T, kcp, kv, kvgb, mla in analytic_rows(cps, t_fulls):
         print(f"{cp:>3} {T:>8} | {fmt_bytes(kcp):>10} {fmt_bytes(kv):>10} {fmt_bytes(kvgb):>11} "
               f"{kv / kcp:>7.0f}x | {fmt_bytes(mla):>10}")
@@ -80,6 +102,19 @@ def _inputs(T: int, H: int, K: int, seed: int) -> list[torch.Tensor]:
     g = -5.0 * torch.sigmoid(torch.randn(1, T, H, K, generator=gen) - 2.0)
     beta = torch.sigmoid(torch.randn(1, T, H, generator=gen))
     return [q, k, v, g, beta]
+
+
+def fold_compute_seconds(plan, H: int, K: int, reps: int, B: int = 1) -> float:
+    """Wall time of the fold's arithmetic alone (forward fold + adjoint + dM), no communication."""
+    gen = torch.Generator().manual_seed(0)
+    Ms = 0.1 * torch.randn(plan.cp, B, H, K, K, generator=gen)
+    Ss = torch.randn(plan.cp, B, H, K, K, generator=gen)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        E = fold_entry(Ms, Ss, plan)
+        A = fold_adjoint(Ms[plan.rank + 1:], Ss, plan)
+        _ = A @ E.transpose(-1, -2)
+    return (time.perf_counter() - t0) / reps
 
 
 def _worker(rank: int, cp: int, port: int, t_fulls: list[int], H: int, K: int, reps: int, q: mp.Queue) -> None:
@@ -109,9 +144,10 @@ def _worker(rank: int, cp: int, port: int, t_fulls: list[int], H: int, K: int, r
                     s = ctx.stats.seconds
                     res["total"] += t_total / reps
                     res["fold"] += (s["kda_fold_fwd"] + s["kda_fold_bwd"]) / reps
-                    res["pairs"] += s["kda_pairs_fwd"] / reps
+                    res["pairs"] += s["kda_local_fwd"] / reps
                     res["local"] += t_local / reps
                     res["bytes"] = ctx.stats.bytes["kda_fwd"] + ctx.stats.bytes["kda_bwd"]
+            res["fold_compute"] = fold_compute_seconds(ctx.plan, H, K, reps)
             q.put((rank, T, res))
     finally:
         dist.destroy_process_group()
@@ -146,24 +182,28 @@ def main() -> None:
     args = ap.parse_args()
 
     print_analytic(sorted(set(args.cp) | {8, 16}), [32768, 131072, 524288, 1048576])
+    print_fold_flops(sorted(set(args.cp) | {8, 16}), [131072, 1048576])
     if args.analytic_only:
         return
     H, K = args.heads, args.dk
     print(f"Part 2: gloo CPU, H={H}, dk=dv={K}, one row, one document over all ranks, slowest rank, "
           f"fwd+bwd, mean of {args.reps}")
-    print(f"{'cp':>3} {'T_full':>7} | {'KCP kda ms':>10} {'local ms':>9} {'overhead':>8} | {'fold ms':>8} "
-          f"{'fold %':>6} {'pairs ms':>8} | {'KDA bytes/rank':>14} {'AG K,V bytes':>12}")
+    print(f"{'cp':>3} {'T_full':>7} | {'KCP kda ms':>10} {'local ms':>9} {'ratio':>6} | {'aug fwd ms':>10} "
+          f"{'gather+fold':>11} {'fold math':>9} {'share':>6} | {'KDA bytes/rank':>14} {'AG K,V fp32':>11}")
     for cp in args.cp:
         res = run_measured(cp, args.T, H, K, args.reps)
         for T in args.T:
             worst = max(res[T], key=lambda r: r["total"])
             fold = max(r["fold"] for r in res[T])
+            math_s = max(r["fold_compute"] for r in res[T])
             pairs = max(r["pairs"] for r in res[T])
             kv = 2 * (cp - 1) * (T // cp) * H * 2 * K * 4
             print(f"{cp:>3} {T:>7} | {worst['total'] * 1e3:>10.1f} {worst['local'] * 1e3:>9.1f} "
-                  f"{worst['total'] / worst['local']:>7.2f}x | {fold * 1e3:>8.2f} "
-                  f"{100 * fold / worst['total']:>5.1f}% {pairs * 1e3:>8.1f} | "
-                  f"{fmt_bytes(max(r['bytes'] for r in res[T])):>14} {fmt_bytes(kv):>12}")
+                  f"{worst['total'] / worst['local']:>5.2f}x | {pairs * 1e3:>10.1f} {fold * 1e3:>11.2f} "
+                  f"{math_s * 1e3:>9.3f} {100 * math_s / worst['total']:>5.2f}% | "
+                  f"{fmt_bytes(max(r['bytes'] for r in res[T])):>14} {fmt_bytes(kv):>11}")
+    print("ratio = KCP kda / plain chunk_kda on the same segment (slowest rank); gather+fold includes waiting for "
+          "the slowest rank;\nfold math = the fold's arithmetic alone; share = fold math / KCP kda.")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,9 @@ biases                                              zeros
 =================================================  ========================================================
 
 Buffers are reset too (a meta-built model's buffers are garbage after ``to_empty``): every module owning buffers
-must provide ``reset_buffers()`` (Router: zero bias and statistics; MLA: zero ``qk_max``).
+must provide ``reset_buffers()`` (Router: zero bias and statistics; MLA: zero ``qk_max``). Parameter attributes the
+optimizer reads (per-head Muon marks) are re-applied through each module's ``mark_param_attrs()``, because
+``to_empty`` from the meta device creates new Parameter objects and drops them.
 """
 from __future__ import annotations
 
@@ -124,6 +126,9 @@ def init_model_weights(model: nn.Module, cfg: Any, seed: int) -> None:
                     p[e].copy_(fill(tuple(p.shape[1:]), _gen(seed, f"{fqn}[{offset + e}]")))
             else:
                 p.copy_(fill(tuple(p.shape), _gen(seed, fqn)))
+        mark = getattr(module, "mark_param_attrs", None)
+        if mark is not None:  # optimizer tags (per-head Muon) live on Parameter objects, which to_empty replaces
+            mark()
         if any(True for _ in module.named_buffers(recurse=False)):
             reset = getattr(module, "reset_buffers", None)
             if reset is None:

@@ -94,19 +94,21 @@ class KDALayer(nn.Module):
         self.g_proj = nn.Linear(d, hk, bias=False)  # full-rank output gate W_g
         self.o_norm = RMSNorm(K, cfg.rms_norm_eps)
         self.o_proj = nn.Linear(hk, d, bias=False)
-        # Per-head Muon orthogonalises each head's rows of W_q, W_k, W_v separately (rows are head-major).
-        for w in (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight):
-            mark_per_head(w, H)
+        self.mark_param_attrs()
         # (q, k, v, g, beta, *, scale, cu_seqlens) -> (o, final_state); the token-loop reference fits too.
         self.kda_op: Callable[..., Any] = functools.partial(chunk_kda, chunk_size=cfg.kda_chunk_size)
+
+    def mark_param_attrs(self) -> None:
+        """Per-head Muon orthogonalises each head's rows of W_q, W_k, W_v separately (rows are head-major).
+        Re-run by ``init_weights``: ``to_empty`` from the meta device replaces the Parameter objects."""
+        for w in (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight):
+            mark_per_head(w, self.num_heads)
 
     def forward(self, x: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
         B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         cp = seq.cp
-        q = self._conv(self.q_conv1d, self.q_proj(x), seq)
-        k = self._conv(self.k_conv1d, self.k_proj(x), seq)
-        v = self._conv(self.v_conv1d, self.v_proj(x), seq)
+        q, k, v = self._short_convs(x, seq)
         q = l2norm(F.silu(q).view(B, T, H, K))
         k = l2norm(F.silu(k).view(B, T, H, K))
         v = F.silu(v).view(B, T, H, K)
@@ -125,13 +127,18 @@ class KDALayer(nn.Module):
         o = self.o_norm(o.to(x.dtype)) * gate
         return self.o_proj(o.reshape(B, T, H * K))
 
-    @staticmethod
-    def _conv(conv: ShortConv, x: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
-        halo = None
-        if seq.cp is not None and conv.kernel_size > 1:
-            # The previous CP rank's last K-1 tokens of this row (doc -1 where there is none).
-            halo = seq.cp.conv_halo(x, conv.kernel_size - 1)
-        return conv(x, seq.doc_ids, halo)
+    def _short_convs(self, x: torch.Tensor, seq: SeqInfo) -> list[torch.Tensor]:
+        """ShortConv of the q, k, v projections ``[B, T, H*K]`` each (before Swish)."""
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        projs = [self.q_proj(x), self.k_proj(x), self.v_proj(x)]
+        n = self.q_conv1d.kernel_size - 1
+        if seq.cp is None or n == 0:
+            return [conv(p, seq.doc_ids) for conv, p in zip(convs, projs)]
+        # Under CP: the previous rank's last K-1 tokens of this row (doc -1 where there is none), fetched ONCE for
+        # q, k and v together.
+        prev, prev_doc = seq.cp.conv_halo(torch.cat(projs, dim=-1), n)
+        prevs = prev.split([p.shape[-1] for p in projs], dim=-1)
+        return [conv(p, seq.doc_ids, (pv, prev_doc)) for conv, p, pv in zip(convs, projs, prevs)]
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, head_dim={self.head_dim}, decay={self.decay_form}"

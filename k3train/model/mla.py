@@ -94,10 +94,8 @@ class MLA(nn.Module):
             self.q_a_proj = nn.Linear(d, self.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, cfg.rms_norm_eps)
             self.q_b_proj = nn.Linear(self.q_lora_rank, H * self.qk_dim, bias=False)
-            q_heads = self.q_b_proj.weight
         else:
             self.q_proj = nn.Linear(d, H * self.qk_dim, bias=False)
-            q_heads = self.q_proj.weight
         self.kv_a_proj_with_mqa = nn.Linear(d, self.kv_lora_rank + self.rope_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, cfg.rms_norm_eps)
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, H * (self.nope_dim + self.v_dim), bias=False)
@@ -105,13 +103,18 @@ class MLA(nn.Module):
         if self.use_output_gate:
             self.g_proj = nn.Linear(d, H * self.v_dim, bias=False)
         self.o_proj = nn.Linear(H * self.v_dim, d, bias=False)
-        # Per-head Muon: rows of W_uq are [head][nope+rope]; rows of W_ukv are [head][k_nope ; v], and the k_nope
-        # and v rows of a head are different projections, so they are orthogonalised as separate segments.
-        mark_per_head(q_heads, H)
-        mark_per_head(self.kv_b_proj.weight, H,
-                      segments=(self.nope_dim, self.v_dim) if self.nope_dim > 0 else None)
+        self.mark_param_attrs()
         self.register_buffer("qk_max", torch.zeros(H), persistent=False)
         self.track_qk_max = True
+
+    def mark_param_attrs(self) -> None:
+        """Per-head Muon: rows of W_uq are [head][nope+rope]; rows of W_ukv are [head][k_nope ; v], and the k_nope
+        and v rows of a head are different projections, so they are orthogonalised as separate segments.
+        Re-run by ``init_weights``: ``to_empty`` from the meta device replaces the Parameter objects."""
+        wq = self.q_b_proj.weight if self.q_lora_rank > 0 else self.q_proj.weight
+        mark_per_head(wq, self.num_heads)
+        mark_per_head(self.kv_b_proj.weight, self.num_heads,
+                      segments=(self.nope_dim, self.v_dim) if self.nope_dim > 0 else None)
 
     def reset_buffers(self) -> None:
         """Zero ``qk_max`` (after ``to_empty`` on a meta-built model; the optimizer resets it after each step)."""

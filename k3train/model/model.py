@@ -12,12 +12,12 @@ chunk) keeps the full model's FQNs; pruned top-level parts are set to ``None``.
 """
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from k3train.model.attnres import AttnRes, AttnResState
 from k3train.model.block import K3Layer
@@ -26,18 +26,39 @@ from k3train.model.mtp import MTPLayer
 from k3train.model.norm import RMSNorm
 from k3train.model.seq import SeqInfo
 
-log = logging.getLogger(__name__)
+CE_CHUNK_TOKENS = 8192  # tokens per LM-head + cross-entropy chunk (bounds the live fp32 logits to 8192 x vocab)
 
 
 def masked_ce_sum(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``sum_t mask_t * CE(logits_t, labels_t)`` in fp32. ``logits [B, T, V]``, ``labels/mask [B, T]``.
+    """``sum_t mask_t * CE(logits_t, labels_t)`` in (at least) fp32. ``logits [..., V]``, ``labels/mask [...]``.
 
     Labels at masked-out positions may hold anything (e.g. -100 or pad); they are clamped into the vocabulary so
     the lookup is valid and then multiplied by a zero mask.
     """
     V = logits.shape[-1]
-    ce = F.cross_entropy(logits.float().reshape(-1, V), labels.reshape(-1).clamp(0, V - 1), reduction="none")
+    acc = torch.promote_types(logits.dtype, torch.float32)  # fp32 (fp64 for float64 reference runs)
+    ce = F.cross_entropy(logits.to(acc).reshape(-1, V), labels.reshape(-1).clamp(0, V - 1), reduction="none")
     return (ce * mask.reshape(-1).to(ce.dtype)).sum()
+
+
+def lm_head_ce_sum(hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, mask: torch.Tensor,
+                   chunk_tokens: int = CE_CHUNK_TOKENS) -> torch.Tensor:
+    """``masked_ce_sum(lm_head(hidden), labels, mask)`` without ever holding all logits: token chunks of
+    ``chunk_tokens`` run under activation checkpointing, so only ``hidden`` is kept for backward (at K3 size one
+    1M-token row's fp32 logits would be 655 GB). ``hidden [B, T, d]``, ``labels/mask [B, T]``."""
+    h = hidden.reshape(-1, hidden.shape[-1])
+    lab, msk = labels.reshape(-1), mask.reshape(-1)
+    if h.shape[0] <= chunk_tokens:
+        return masked_ce_sum(lm_head(h), lab, msk)
+    total = h.new_zeros((), dtype=torch.promote_types(h.dtype, torch.float32))
+    for s in range(0, h.shape[0], chunk_tokens):
+        sl = slice(s, s + chunk_tokens)
+        if torch.is_grad_enabled():
+            total = total + checkpoint(lambda x, y, m: masked_ce_sum(lm_head(x), y, m), h[sl], lab[sl], msk[sl],
+                                       use_reentrant=False)
+        else:
+            total = total + masked_ce_sum(lm_head(h[sl]), lab[sl], msk[sl])
+    return total
 
 
 class K3Model(nn.Module):
@@ -106,21 +127,20 @@ class K3Model(nn.Module):
         if self.lm_head is None or self.norm is None:
             raise RuntimeError("loss_sums() called on a model chunk without the LM head")
         agg = self.final_aggregate(state)
-        logits = self.lm_head(self.norm(agg))
         out = {
-            "lm_loss_sum": masked_ce_sum(logits, batch.labels, batch.loss_mask),
+            "lm_loss_sum": lm_head_ce_sum(self.norm(agg), self.lm_head, batch.labels, batch.loss_mask),
             "lm_tokens": batch.loss_mask.float().sum(),
         }
         if self.mtp is not None:
             if self.embed_tokens is None:
                 raise RuntimeError("the MTP layer needs the (shared) embed_tokens on the last pipeline stage")
             next_emb = self.embed_tokens(batch.labels.clamp(0, self.cfg.vocab_size - 1))
-            mtp_logits = self.lm_head(self.mtp(agg, next_emb, seq))
-            out["mtp_loss_sum"] = masked_ce_sum(mtp_logits, batch.mtp_labels, batch.mtp_loss_mask)
+            out["mtp_loss_sum"] = lm_head_ce_sum(self.mtp(agg, next_emb, seq), self.lm_head, batch.mtp_labels,
+                                                 batch.mtp_loss_mask)
             out["mtp_tokens"] = batch.mtp_loss_mask.float().sum()
         else:
-            out["mtp_loss_sum"] = logits.new_zeros((), dtype=torch.float32)
-            out["mtp_tokens"] = logits.new_zeros((), dtype=torch.float32)
+            out["mtp_loss_sum"] = agg.new_zeros((), dtype=torch.float32)
+            out["mtp_tokens"] = agg.new_zeros((), dtype=torch.float32)
         return out
 
     def forward(self, batch: Any) -> dict[str, torch.Tensor]:

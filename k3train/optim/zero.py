@@ -75,23 +75,17 @@ def assign_owners(infos: Sequence[ParamInfo], ns_steps: int) -> dict[int, float]
 
 
 class _Pending:
-    """One in-flight bucket collective: the flat buffer and which parameters' gradients it holds."""
+    """One in-flight bucket collective. ``keep``: this rank keeps the result (the parameters' ``.grad`` are
+    already views into ``flat``); otherwise ``flat`` is only held until the collective completes."""
 
-    def __init__(self, work: Any, flat: torch.Tensor, items: list[ParamInfo], keep: bool, divisor: int):
-        self.work, self.flat, self.items, self.keep, self.divisor = work, flat, items, keep, divisor
+    def __init__(self, work: Any, flat: torch.Tensor, keep: bool, divisor: int):
+        self.work, self.flat, self.keep, self.divisor = work, flat, keep, divisor
 
     def finish(self) -> None:
         if self.work is not None:
             self.work.wait()
-        if not self.keep:
-            return
-        if self.divisor != 1:
+        if self.keep and self.divisor != 1:
             self.flat.div_(self.divisor)
-        off = 0
-        for inf in self.items:
-            n = inf.numel
-            inf.param.grad = self.flat[off:off + n].view_as(inf.param)
-            off += n
 
 
 class DistributedOptimizer:
@@ -178,18 +172,15 @@ class DistributedOptimizer:
         return sum(t.numel() * t.element_size() for st in self.state.values() for t in st.values())
 
     def grad_bytes(self) -> int:
-        """Bytes of ``.grad`` tensors currently held on this rank (views of one buffer counted once)."""
-        seen: set[tuple[int, int]] = set()
-        total = 0
-        for inf in self.infos:
-            g = inf.param.grad
-            if g is None:
-                continue
-            key = (g.untyped_storage().data_ptr(), g.storage_offset())
-            if key not in seen:
-                seen.add(key)
-                total += g.numel() * g.element_size()
-        return total
+        """Bytes of gradient memory held on this rank: the storages behind every ``.grad`` plus the buffers of
+        reductions still in flight, each storage counted once (measured, not computed from shapes)."""
+        storages: dict[int, int] = {}
+        tensors = [i.param.grad for i in self.infos if i.param.grad is not None]
+        tensors += [pend.flat for pend in self._pending]
+        for t in tensors:
+            st = t.untyped_storage()
+            storages[st.data_ptr()] = st.nbytes()
+        return sum(storages.values())
 
     def describe(self, detail: bool = False) -> str:
         """Table of parameter counts per optimizer group and what this rank owns."""
@@ -218,7 +209,13 @@ class DistributedOptimizer:
         return out
 
     def _launch(self, infos: list[ParamInfo]) -> None:
-        """Start the (async) reduction of these parameters' gradients; see the module docstring."""
+        """Start the (async) reduction of these parameters' gradients; see the module docstring.
+
+        Memory: a bucket is packed into one flat buffer and the parameters' ``.grad`` become views of it at once
+        (owners / all-reduce) or are dropped (ZeRO-2 non-owners), so the original gradients are freed now. The
+        previous call's collectives are waited for first, so at most one chunk's buffers are in flight (they
+        overlap with the backward of the next chunk)."""
+        self._finish()
         infos = [i for i in infos if i.index not in self._reduced]
         self._reduced.update(i.index for i in infos)
         to_owner = self.zero == 2
@@ -227,23 +224,27 @@ class DistributedOptimizer:
             pg = self.dims.group(inf0.group)
             if pg is None:  # size-1 group: nothing to reduce (grads stay as they are)
                 continue
-            divisor = len(inf0.group_ranks) if self.grad_reduce == "mean" else 1
+            keep = not to_owner or inf0.owner == self.rank
             p0 = inf0.param
             if len(bucket) == 1 and p0.grad is not None and p0.grad.is_contiguous():
                 flat = p0.grad.view(-1)  # reduce in place: no copy of a large single parameter
             else:
                 flat = torch.cat([(i.param.grad if i.param.grad is not None else torch.zeros_like(i.param))
                                   .reshape(-1) for i in bucket])
+                if keep:
+                    off = 0
+                    for i in bucket:
+                        i.param.grad = flat[off:off + i.numel].view_as(i.param)
+                        off += i.numel
             if to_owner:
-                keep = inf0.owner == self.rank
                 work = dist.reduce(flat, dst=inf0.owner, op=dist.ReduceOp.SUM, group=pg, async_op=True)
                 if not keep:
-                    for i in bucket:  # the flat copy (or the grad itself) lives on in _Pending until wait
+                    for i in bucket:
                         i.param.grad = None
             else:
-                keep = True
                 work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=pg, async_op=True)
-            self._pending.append(_Pending(work, flat, bucket, keep, divisor))
+            divisor = len(inf0.group_ranks) if self.grad_reduce == "mean" else 1
+            self._pending.append(_Pending(work, flat, keep, divisor))
 
     def _finish(self) -> None:
         for pend in self._pending:

@@ -106,7 +106,8 @@ class P2PTransport:
                  group: Any = None) -> None:
         self.peers, self.pp, self.nb, self.max_items = peers, pp, max(1, num_boundaries), max_items
         self.counter, self.group = counter, group
-        self._sends: list[tuple[Any, torch.Tensor]] = []
+        self._sends: list[tuple[int, Any, torch.Tensor]] = []  # (generation, work, buffer)
+        self.generation = 0  # bumped by the runner before every compute
         self._recvs: dict[Message, tuple[list[torch.Tensor], list[Any]]] = {}
 
     def tag(self, msg: Message, i: int) -> int:
@@ -121,7 +122,7 @@ class P2PTransport:
         for i, (t, kind) in enumerate(zip(tensors, kinds)):
             t = t.detach().contiguous()
             work = dist.isend(t, dst, group=self.group, tag=self.tag(msg, i))
-            self._sends.append((work, t))  # keep the buffer alive until the send completes
+            self._sends.append((self.generation, work, t))  # keep the buffer alive until the send completes
             self.counter.add_sent(kind, t)
 
     def post_recv(self, msg: Message, specs: list[tuple[tuple[int, ...], torch.dtype]], kinds: list[str],
@@ -143,10 +144,23 @@ class P2PTransport:
             w.wait()
         return bufs
 
+    def complete_sends(self, upto_generation: int) -> None:
+        """Wait for (and release the buffers of) sends posted in generations ``<= upto_generation``.
+
+        Bounds the memory held by in-flight sends (gloo's send work reports completion only through ``wait``).
+        Safe at any point of the program: a send posted at simulated time t is matched by a receive its
+        destination posts at its own time t, which it reaches without waiting on anything later than t."""
+        keep = []
+        for gen, work, t in self._sends:
+            if gen <= upto_generation:
+                work.wait()
+            else:
+                keep.append((gen, work, t))
+        self._sends = keep
+
     def finish(self) -> None:
         """End of step: wait for outstanding sends; every posted receive must have been consumed."""
-        for work, _ in self._sends:
-            work.wait()
-        self._sends.clear()
+        self.complete_sends(self.generation)
+        self.generation = 0
         if self._recvs:
             raise RuntimeError(f"unconsumed p2p receives at the end of the step: {sorted(self._recvs)}")

@@ -11,13 +11,10 @@ or from :func:`auto_layers_per_stage`, which minimises the most expensive stage 
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from k3train.config import ConfigError
-
-log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -68,14 +68,30 @@ class StepRunner:
         self.make_seq, self.on_chunk_backward_done, self.recompute = make_seq, on_chunk_backward_done, recompute
         self.counter = ByteCounter()
         self.shared_embedding = shares_embedding(model, partition)
-        self.chunk_params, self.shared_params = chunk_param_groups(model, partition, self.pp_rank,
-                                                                   self.shared_embedding)
+        self.refresh_params()
         # copies of a parameter another stage also holds (the last stage's embedding copy): count them once in
         # a global gradient norm and save them once in checkpoints
         self.replica_params: list[nn.Parameter] = (list(self.shared_params)
                                                    if self.shared_embedding and self.pp_rank == partition.pp - 1
                                                    else [])
         self.last_stats: dict[str, Any] = {}
+
+    def refresh_params(self) -> None:
+        """Recompute ``chunk_params`` / ``shared_params`` from the model (called every step: expert parallelism
+        replaces the routed-expert parameters after the runner is built)."""
+        self.chunk_params, self.shared_params = chunk_param_groups(self.model, self.partition, self.pp_rank,
+                                                                   self.shared_embedding)
+
+    def sync_replica_weights(self) -> None:
+        """Copy the shared embedding from the first stage to the last stage's replica (broadcast over ``embd``;
+        e.g. after loading a checkpoint that saved it once). Call on every rank; a no-op without a replica."""
+        group = self.dims.group("embd") if self.shared_embedding else None
+        if group is None:
+            return
+        src = self.dims.ranks("embd")[0]
+        with torch.no_grad():
+            for p in self.shared_params:
+                dist.broadcast(p.data, src=src, group=group)
 
     def _hook(self, params: list[nn.Parameter]) -> None:
         if self.on_chunk_backward_done is not None and params:
@@ -109,6 +125,7 @@ class LocalRunner(StepRunner):
         t_step = time.perf_counter()
         stats = self._new_stats()
         self.counter.reset()
+        self.refresh_params()
         L = self.partition.num_layers
         for batch in micro_batches:
             seq = self.make_seq(batch)
@@ -156,9 +173,10 @@ class PipelineRunner(StepRunner):
             sim = simulate(sched, pp, vpp)
             programs = build_programs(sched, pp, vpp, sim)
             self._programs[num_microbatches] = (sched[self.pp_rank], programs[self.pp_rank], sim.bubble)
-            log.info("pipeline schedule %s: pp=%d vpp=%d M=%d; bubble (f=1, b=2) simulated %.3f, formula "
-                     "(pp-1)/(vpp*M+pp-1) = %.3f", self.schedule, pp, vpp, num_microbatches, sim.bubble,
-                     theoretical_bubble(pp, vpp, num_microbatches))
+            if self.dims.rank == 0:
+                log.info("pipeline schedule %s: pp=%d vpp=%d M=%d; expected bubble (pp-1)/(vpp*M+pp-1) = %.3f "
+                         "(simulated with equal stages, backward = 2 x forward: %.3f)", self.schedule, pp, vpp,
+                         num_microbatches, theoretical_bubble(pp, vpp, num_microbatches), sim.bubble)
         return self._programs[num_microbatches]
 
     def _specs(self, msg: Message, batches: list[Any]) -> tuple[list[tuple[tuple[int, ...], torch.dtype]], list[str]]:
@@ -186,6 +204,7 @@ class PipelineRunner(StepRunner):
         self._t_step = time.perf_counter()
         actions, program, _ = self.program(len(micro_batches))
         self.counter.reset()
+        self.refresh_params()
         self._batches, self._norm = micro_batches, norm
         self._seqs = [self.make_seq(b) for b in micro_batches]
         self._stats = self._new_stats()
@@ -194,6 +213,7 @@ class PipelineRunner(StepRunner):
         self._cache = BlockCache(self.plan, self.pp_rank)
         self._saved: dict[tuple[int, int], tuple[StageInput | None, Any]] = {}
         self._outbox: dict[Message, list[torch.Tensor]] = {}
+        self.action_times: list[tuple[Action, float]] = []  # (action, seconds) of this step, for benchmarks
         return program
 
     def run_instr(self, ins: Instr) -> None:
@@ -206,12 +226,17 @@ class PipelineRunner(StepRunner):
             self.p2p.send(ins.msg, [t.to(self.wire_dtype) for t in self._outbox.pop(ins.msg)], kinds)
         else:
             a = ins.action
+            # sends get one compute of slack to complete before their buffers are waited for and released
+            self.p2p.complete_sends(self.p2p.generation - 1)
+            self.p2p.generation += 1
             t0 = time.perf_counter()
             if a.kind == "F":
                 self._forward(a)
             else:
                 self._backward(a)
-            self._stats["compute_s"] += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            self._stats["compute_s"] += dt
+            self.action_times.append((a, dt))
             if a.kind == "B" and self._last_b[a.chunk] == self._idx_of[a]:
                 self._hook(list(self.chunk_params[a.chunk]))
 

@@ -15,15 +15,12 @@ the optimizer sees them, as Megatron does for tied embeddings, and both copies t
 """
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from parallel.pipeline.partition import PipelinePartition
-
-log = logging.getLogger(__name__)
 
 HEAD_PARTS = ("final_attnres", "norm", "lm_head", "mtp")
 EMBED = "embed_tokens"

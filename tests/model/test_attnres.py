@@ -126,3 +126,33 @@ def test_state_canonical_check():
         assert "partial" in str(e)
     else:
         raise AssertionError("non-canonical state accepted")
+
+
+def _saved_bytes(fn, keep):
+    """Bytes of the tensors autograd saves while running ``fn`` that are not storages of ``keep``."""
+    kept = {t.untyped_storage().data_ptr() for t in keep}
+    seen = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in kept:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(seen.values())
+
+
+def test_recompute_saves_nothing_but_the_output():
+    """With recompute, an aggregation + pre-norm keeps no activations of its own (the sources are resident
+    anyway); without it, it keeps the stacked sources, normalised keys and weights."""
+    from k3train.model.norm import RMSNorm
+    torch.manual_seed(0)
+    res, pre = AttnRes(32, 1e-5), RMSNorm(32)
+    srcs = [torch.randn(2, 8, 32, requires_grad=True) for _ in range(5)]
+    out_rc, saved_rc = _saved_bytes(lambda: res(srcs, pre, recompute=True), srcs)
+    out_plain, saved_plain = _saved_bytes(lambda: res(srcs, pre, recompute=False), srcs)
+    assert torch.equal(out_rc, out_plain)
+    assert saved_rc == 0
+    assert saved_plain >= 5 * 2 * 8 * 32 * 4  # at least the stacked sources

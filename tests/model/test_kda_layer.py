@@ -90,3 +90,58 @@ def test_kda_layer_per_head_marks():
     layer = _layer()
     for w in (layer.q_proj.weight, layer.k_proj.weight, layer.v_proj.weight):
         assert getattr(w, "_k3_head_split") == (layer.num_heads, layer.head_dim)
+
+
+class _TwoSegmentCP:
+    """Single-process stand-in for the KCP context of the SECOND of two CP ranks (batch of one row): the halo is
+    the first segment's last q/k/v projections, and the entry state of a document continuing across the boundary
+    is the first segment's final state -- what KCP's all-gather and fold deliver."""
+
+    def __init__(self, layer, x_early, doc_early):
+        self.layer, self.x_early, self.doc_early = layer, x_early, doc_early
+        states = []
+        layer.kda_op = lambda *a, **kw: self._record(states, *a, **kw)
+        layer(x_early, SeqInfo.from_doc_ids(doc_early))
+        layer.kda_op = self._unused
+        self.final_state = states[0][-1:]  # state of the early segment's last document
+
+    @staticmethod
+    def _record(states, *args, **kw):
+        from k3train.ops.kda import chunk_kda
+        o, st = chunk_kda(*args, output_final_state=True, chunk_size=16, **kw)
+        states.append(st)
+        return o, st
+
+    @staticmethod
+    def _unused(*a, **kw):
+        raise AssertionError("under CP the layer must call seq.cp.kda, not its own op")
+
+    def conv_halo(self, x, n):
+        lay = self.layer
+        early = torch.cat([lay.q_proj(self.x_early), lay.k_proj(self.x_early), lay.v_proj(self.x_early)], -1)
+        assert early.shape[-1] == x.shape[-1]
+        return early[:, -n:], self.doc_early[:, -n:]
+
+    def kda(self, q, k, v, g, beta, scale, seq):
+        from k3train.ops.kda import chunk_kda
+        cu = seq.cu_seqlens
+        init = torch.zeros(cu.numel() - 1, *self.final_state.shape[1:], dtype=self.final_state.dtype)
+        if seq.doc_ids[0, 0] == self.doc_early[0, -1]:
+            init[0] = self.final_state[0]
+        o, _ = chunk_kda(q, k, v, g, beta, scale=scale, initial_state=init, cu_seqlens=cu, chunk_size=16)
+        return o
+
+
+def test_kda_layer_cp_seam():
+    layer = _layer()
+    T, s = 36, 20
+    doc = _docs(T, [9, 27])  # the middle document crosses the split at 20
+    x = torch.randn(1, T, layer.hidden_size, dtype=torch.float64, requires_grad=True)
+    full = layer(x, SeqInfo.from_doc_ids(doc))
+    cp = _TwoSegmentCP(layer, x[:, :s], doc[:, :s])
+    part = layer(x[:, s:], SeqInfo.from_doc_ids(doc[:, s:], torch.arange(s, T)[None], cp=cp))
+    torch.testing.assert_close(part, full[:, s:], atol=1e-10, rtol=1e-10)
+    gy = torch.randn_like(part)
+    g_part = torch.autograd.grad((part * gy).sum(), x)[0]
+    g_full = torch.autograd.grad((full[:, s:] * gy).sum(), x)[0]
+    torch.testing.assert_close(g_part, g_full, atol=1e-10, rtol=1e-10)

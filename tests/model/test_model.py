@@ -166,6 +166,9 @@ def test_init_independent_of_pruning_and_meta_build():
         meta.init_weights(7)
     meta.to_empty(device="cpu")
     meta.init_weights(7)
+    # the optimizer's per-head marks survive (to_empty replaces Parameter objects; init_weights re-marks them)
+    assert getattr(meta.layers["0"].attn.q_proj.weight, "_k3_head_split") == (4, 16)
+    assert getattr(meta.layers["3"].attn.kv_b_proj.weight, "_k3_head_segments") == (16, 16)
     st = _state(meta)
     assert st.keys() == ref.keys()
     for n, t in st.items():
@@ -232,3 +235,20 @@ def test_tiny_model_learns():
         losses.append(out["lm_loss_sum"].item() / out["lm_tokens"].item())
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_chunked_lm_head_ce_equals_direct():
+    from k3train.model.model import lm_head_ce_sum, masked_ce_sum
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=False).double()
+    h = torch.randn(3, 7, 16, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 50, (3, 7))
+    labels[0, 0] = -100  # masked garbage label
+    mask = (torch.rand(3, 7) > 0.3).double()
+    mask[0, 0] = 0
+    direct = masked_ce_sum(head(h), labels, mask)
+    chunked = lm_head_ce_sum(h, head, labels, mask, chunk_tokens=4)
+    torch.testing.assert_close(chunked, direct, atol=1e-12, rtol=1e-12)
+    params = [h, head.weight]
+    for a, b in zip(torch.autograd.grad(direct, params), torch.autograd.grad(chunked, params)):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 from dist_helpers import run_distributed
 from ep_cases import D, E, K, build_moe, clone, skew_router
@@ -20,12 +21,13 @@ T = 12  # tokens per rank per micro-batch
 ATOL = 2e-5
 
 
-def _case(dims: ParallelDims, moonep: bool, skew: bool, seed: int) -> None:
+def _case(dims: ParallelDims, moonep: bool, skew: bool, seed: int, recompute: bool = False) -> None:
     ref = build_moe(seed)
     if skew:  # every token picks experts 0 and 1, both owned by EP rank 0: other ranks receive nothing
         skew_router(ref, [0, 1])
     ep_moe = clone(ref)
-    apply_expert_parallel(ep_moe, dims, moonep=moonep)
+    state = apply_expert_parallel(ep_moe, dims, moonep=moonep)
+    run = (lambda x: checkpoint(ep_moe, x, use_reentrant=False)) if recompute else ep_moe
     ws, rank = dims.world_size, dims.rank
     g = torch.Generator().manual_seed(seed + 1)
     xs = [torch.randn(ws * T, D, generator=g) for _ in range(2)]
@@ -37,7 +39,7 @@ def _case(dims: ParallelDims, moonep: bool, skew: bool, seed: int) -> None:
 
     sl = slice(rank * T, (rank + 1) * T)
     x_loc = [x[sl].clone().requires_grad_() for x in xs]
-    outs = [ep_moe(x) for x in x_loc]  # both forwards before any backward
+    outs = [run(x) for x in x_loc]  # both forwards before any backward
     plan = ep_moe.dispatcher.last_plan
     for x, out in zip(xs, outs):
         torch.testing.assert_close(out, ref(x)[sl].detach(), atol=ATOL, rtol=1e-5)
@@ -73,6 +75,9 @@ def _case(dims: ParallelDims, moonep: bool, skew: bool, seed: int) -> None:
         torch.testing.assert_close(torch.cat(parts), ref_params[f"experts.{pname}"].grad, atol=ATOL, rtol=1e-5,
                                    msg=pname)
 
+    assert state.buffers.grows == 0  # token buffers sized once for the worst case
+    records = ep_moe.dispatcher.metrics.records
+    assert len(records) == 2  # one per forward: a recomputed forward is not counted twice
     # the plan of the last micro-batch: perfect balance with MoonEP; the skewed case starves ranks without it
     n_routes = T * K
     if moonep:
@@ -88,6 +93,7 @@ def _body(rank: int, world_size: int, ep: int) -> None:
     dims = ParallelDims(dp=world_size, ep=ep, world_size=world_size, rank=rank).build_groups()
     for i, (moonep, skew) in enumerate([(True, False), (False, False), (True, True), (False, True)]):
         _case(dims, moonep, skew, seed=10 * i + ep)
+    _case(dims, True, False, seed=99, recompute=True)  # activation checkpointing re-runs the collectives
 
 
 @pytest.mark.parametrize("world_size,ep", [(2, 2), (4, 4), (4, 2)])

@@ -4,7 +4,7 @@ runner code minus gloo; the multi-process tests cover the gloo transport)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -92,6 +92,10 @@ class InProcessTransport:
 
     def __init__(self, mailbox: dict[Message, list[torch.Tensor]], counter: ByteCounter) -> None:
         self.mailbox, self.counter = mailbox, counter
+        self.generation = 0
+
+    def complete_sends(self, upto_generation: int) -> None:
+        pass  # the mailbox copies on send
 
     def send(self, msg: Message, tensors: list[torch.Tensor], kinds: list[str]) -> None:
         assert msg not in self.mailbox, f"{msg} sent twice"
@@ -110,16 +114,18 @@ class InProcessTransport:
         pass
 
 
-def in_process_pipeline(cfg: Config, batches: list[Batch], seed: int = SEED,
-                        norm: LossNorm | None = None) -> tuple[list[Any], list[dict]]:
-    """Build all ``pp`` runners in this process and run one step cooperatively. Returns (runners, stats)."""
+def in_process_pipeline(cfg: Config, batches: list[Batch], seed: int = SEED, norm: LossNorm | None = None,
+                        hook: Callable[[int, list], None] | None = None) -> tuple[list[Any], list[dict]]:
+    """Build all ``pp`` runners in this process and run one step cooperatively. Returns (runners, stats).
+    ``hook(pp_rank, params)`` is installed as every runner's ``on_chunk_backward_done``."""
     pp = cfg.parallel.pp
     norm = norm or LossNorm.from_batches(batches, cfg.model.mtp_loss_weight)
     mailbox: dict[Message, list[torch.Tensor]] = {}
     runners = []
     for r in range(pp):
         dims = ParallelDims(pp=pp, dp=1, cp=1, world_size=pp, rank=r)  # no process groups: in-process
-        run = build_step_runner(lambda: K3Model(cfg.model), cfg, dims, seed=seed)
+        run = build_step_runner(lambda: K3Model(cfg.model), cfg, dims, seed=seed,
+                                on_chunk_backward_done=None if hook is None else (lambda ps, r=r: hook(r, ps)))
         run.p2p = InProcessTransport(mailbox, run.counter)
         runners.append(run)
     programs = [run.begin_step(batches, norm) for run in runners]

@@ -97,30 +97,12 @@ def test_recompute_exact_and_buffers_not_double_counted() -> None:
 
 
 def test_hooks_fire_once_per_param_with_final_grads() -> None:
+    """Every parameter is handed to on_chunk_backward_done exactly once per step, and its gradient does not change
+    afterwards (Pipeline ZeRO-2 may reduce and drop it right away)."""
     cfg = tiny_cfg(2, 2, micro_batches=4)
-    batches = make_batches(cfg, 4)
     seen: list[tuple[int, list]] = []
-    from parallel.pipeline import LossNorm
-
-    norm = LossNorm.from_batches(batches, cfg.model.mtp_loss_weight)
-    import pipeline_harness as H
-
-    runners_box = []
-    orig = H.build_step_runner
-
-    def build(*a, **kw):
-        r = orig(*a, **kw)
-        rank = len(runners_box)
-        r.on_chunk_backward_done = lambda params, rank=rank: seen.append(
-            (rank, [(id(p), None if p.grad is None else p.grad.clone()) for p in params]))
-        runners_box.append(r)
-        return r
-
-    H.build_step_runner = build
-    try:
-        runners, _ = in_process_pipeline(cfg, batches, norm=norm)
-    finally:
-        H.build_step_runner = orig
+    runners, _ = in_process_pipeline(cfg, make_batches(cfg, 4), hook=lambda rank, params: seen.append(
+        (rank, [(id(p), None if p.grad is None else p.grad.clone()) for p in params])))
     for rank, r in enumerate(runners):
         calls = [ps for rk, ps in seen if rk == rank]
         ids = [i for ps in calls for i, _ in ps]
@@ -153,3 +135,42 @@ def test_dropping_the_cache_gradient_is_detected(monkeypatch: pytest.MonkeyPatch
     with pytest.raises(AssertionError):
         for r in runners:
             assert_grads_match(r.model, ref)
+
+
+def test_pp1_local_runner_matches_and_hooks_once() -> None:
+    from parallel.dims import ParallelDims
+    from parallel.pipeline import LocalRunner, LossNorm, build_step_runner
+
+    M = 2
+    cfg = tiny_cfg(1, 1, micro_batches=M)
+    batches = make_batches(cfg, M)
+    ref, rstats = _ref(cfg, batches, (M, 1))
+    calls: list[list] = []
+    runner = build_step_runner(None, cfg, ParallelDims(), seed=7, on_chunk_backward_done=calls.append)
+    assert isinstance(runner, LocalRunner) and runner.chunks == [(0, 8)]
+    stats = runner.forward_backward(batches, LossNorm.from_batches(batches, cfg.model.mtp_loss_weight))
+    assert_grads_match(runner.model, ref)
+    assert stats["loss"] == pytest.approx(rstats["loss"], rel=1e-6) and stats["p2p_bytes"] == 0
+    assert len(calls) == 1 and {id(p) for p in calls[0]} == {id(p) for p in runner.model.parameters()}
+
+
+def test_too_few_microbatches_is_a_clear_error() -> None:
+    from k3train.config import ConfigError
+    from parallel.dims import ParallelDims
+    from parallel.pipeline import build_step_runner
+
+    cfg = tiny_cfg(2, 2, micro_batches=4)
+    with pytest.raises(ConfigError, match="train.global_batch_size.*multiple of parallel.pp"):
+        build_step_runner(None, cfg, ParallelDims(pp=2, world_size=2), num_microbatches=3)
+
+
+def test_loss_norm() -> None:
+    from parallel.pipeline import LossNorm
+
+    sums = {"lm_loss_sum": torch.tensor(6.0), "mtp_loss_sum": torch.tensor(3.0)}
+    assert float(LossNorm(3, 2, 0.5)(sums)) == pytest.approx(6 / 3 + 0.5 * 3 / 2)
+    assert float(LossNorm(3, 0, 0.5)(sums)) == pytest.approx(2.0)  # no MTP tokens: no MTP term
+    cfg = tiny_cfg(2, 1, micro_batches=2)
+    b = make_batches(cfg, 2)
+    n = LossNorm.from_batches(b, 0.3)
+    assert n.lm_tokens == sum(float(x.loss_mask.sum()) for x in b) and n.mtp_weight == 0.3

@@ -154,3 +154,13 @@ def test_cached_sends_exactly_the_missing_blocks(pp: int, vpp: int, bs: int) -> 
     f = full.step_bytes(4, 100, 8, 4)
     assert c["hidden"] == f["hidden"] and c["grad"] == c["hidden"] + c["block_cache"]
     assert (c["total"] < f["total"]) == (vpp > 1)  # only interleaving revisits a rank
+
+
+def test_dims_embd_group() -> None:
+    """The ``embd`` group (added to ParallelDims): first + last pipeline rank with the same (dp, cp)."""
+    from parallel.dims import ParallelDims
+
+    d = ParallelDims(pp=4, dp=2, cp=1, world_size=8, rank=0)
+    assert d._enumerate_groups()["embd"] == [[0, 6], [1, 7]]
+    d1 = ParallelDims(pp=1, dp=2, world_size=2, rank=0)
+    assert all(len(g) == 1 for g in d1._enumerate_groups()["embd"])  # no pipeline: size-1 groups -> None

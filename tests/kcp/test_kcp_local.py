@@ -1,13 +1,14 @@
-"""Pure-logic KCP tests (no processes): segment layout, trailing pairs, the vectorised fold and its adjoint."""
+"""KCP tests without processes: segment layout, trailing pairs, fold + adjoint, context input checks."""
 from __future__ import annotations
 
 import pytest
 import torch
 from kcp_cases import LAYOUTS, T_FULL, doc_ids_from_lengths, kda_inputs
 
-from k3train.ops.kda import chunk_kda, kda_transition
+from k3train.ops.kda import chunk_kda, kda_transition, naive_kda_transition, naive_recurrent_kda
+from kcp import KCPContext
 from kcp.fold import SegmentDocs, chain_ranks, fold_adjoint, fold_entry, fold_entry_reference, plan_fold
-from kcp.pairs import LocalLayout, pairs_reference, trailing_pairs
+from kcp.pairs import LocalLayout, augmented_pass, flatten_tokens, trailing_pairs
 
 
 def test_chain_ranks_by_hand() -> None:
@@ -41,9 +42,37 @@ def test_trailing_pairs_match_token_loop() -> None:
     doc_ids = torch.tensor([[0] * 7 + [1] * 33, [2] * 40, [0] * 39 + [1]])
     lay = LocalLayout.from_doc_ids(doc_ids)
     M, S = trailing_pairs(x["k"], x["v"], x["g"], x["beta"], lay, kda_fn=chunk_kda, transition_fn=kda_transition)
-    M_ref, S_ref = pairs_reference(x["k"], x["v"], x["g"], x["beta"], lay)
+    # reference: the token-loop ops on each row's explicit tail slice (from its last document start)
+    M_ref, S_ref = [], []
+    for b, start in enumerate([7, 0, 39]):
+        k, v, g, beta = (x[n][b:b + 1, start:] for n in ("k", "v", "g", "beta"))
+        M_ref.append(naive_kda_transition(k, g, beta)[0])
+        S_ref.append(naive_recurrent_kda(k, k, v, g, beta, output_final_state=True)[1][0])
+    M_ref, S_ref = torch.stack(M_ref), torch.stack(S_ref)
     torch.testing.assert_close(M, M_ref, atol=1e-10, rtol=1e-10)
     torch.testing.assert_close(S, S_ref, atol=1e-10, rtol=1e-10)
+
+
+def test_augmented_pass_equals_pairs_and_entry_state_run() -> None:
+    """One widened pass gives the trailing pairs and, after ``o0 + E^T c``, the run with the entry state E."""
+    x = kda_inputs(3, 40, seed=2, dtype=torch.float64)
+    doc_ids = torch.tensor([[0] * 7 + [1] * 33, [2] * 40, [0] * 20 + [1] * 19 + [2]])
+    lay = LocalLayout.from_doc_ids(doc_ids)
+    o0, transport, M, S = augmented_pass(*(x[n] for n in ("q", "k", "v", "g", "beta")), lay, scale=0.7,
+                                         kda_fn=chunk_kda)
+    M_ref, S_ref = trailing_pairs(x["k"], x["v"], x["g"], x["beta"], lay, kda_fn=chunk_kda,
+                                  transition_fn=kda_transition)
+    torch.testing.assert_close(M, M_ref, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(S, S_ref, atol=1e-10, rtol=1e-10)
+    E = torch.randn(3, 2, 8, 8, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    init = torch.zeros(lay.num_seqs, 2, 8, 8, dtype=torch.float64).index_copy(0, lay.row_first, E)
+    o_ref, fin_ref = chunk_kda(*(flatten_tokens(x[n]) for n in ("q", "k", "v", "g", "beta")), scale=0.7,
+                               initial_state=init, output_final_state=True, cu_seqlens=lay.cu_seqlens)
+    o = o0 + torch.einsum("bthk,bhkv->bthv", transport, E)
+    torch.testing.assert_close(o, o_ref.view(3, 40, 2, 8), atol=1e-10, rtol=1e-10)
+    # trailing state: M E + S~ where the trailing document is also the first (row 1), S~ otherwise
+    own = torch.tensor([0.0, 1.0, 0.0], dtype=torch.float64).view(3, 1, 1, 1)
+    torch.testing.assert_close(M @ (E * own) + S, fin_ref[lay.row_last], atol=1e-10, rtol=1e-10)
 
 
 def _random_pairs(cp: int, B: int, H: int = 2, K: int = 4, V: int = 3, seed: int = 0):
@@ -87,3 +116,18 @@ def test_no_cross_rank_document_means_no_chain() -> None:
     docs2 = SegmentDocs.from_doc_ids(doc_ids_from_lengths([[16, 16, 16, 16], [24, 40]]).view(2, 4, 16)
                                      .transpose(0, 1))
     assert all(plan_fold(docs2, r).any_chain for r in range(4))  # every rank agrees
+
+
+def test_context_rejects_bad_input() -> None:
+    ctx = KCPContext(None, torch.zeros(2, 8, dtype=torch.long))  # CP size 1: no process group needed
+    with pytest.raises(ValueError, match="conv_halo"):
+        ctx.conv_halo(torch.zeros(2, 8, 3), 9)
+    with pytest.raises(ValueError, match="gather_latent"):
+        ctx.gather_latent(torch.zeros(2, 7, 3))
+    with pytest.raises(ValueError, match="doc_ids"):
+        KCPContext(None, torch.zeros(8, dtype=torch.long))
+    # CP size 1 degenerates to the plain layer: no halo, keys = queries
+    prev, prev_doc = ctx.conv_halo(torch.ones(2, 8, 3), 3)
+    assert bool((prev == 0).all()) and bool((prev_doc == -1).all())
+    keys, k_doc, k_pos = ctx.gather_latent(torch.ones(2, 8, 3))
+    assert keys.shape == (2, 8, 3) and torch.equal(k_pos, torch.arange(8).expand(2, 8))

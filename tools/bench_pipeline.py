@@ -1,0 +1,218 @@
+"""Benchmark the pipeline: AttnRes p2p bytes (cached vs full) and the schedule's idle fraction.
+
+    .venv/bin/python tools/bench_pipeline.py                    # analytic K3 tables + gloo runs (4 ranks)
+    .venv/bin/python tools/bench_pipeline.py --no-run           # analytic only
+    .venv/bin/python tools/bench_pipeline.py --steps 3 --micro-batches 8
+
+Part 1 (analytic, full K3 dims: 93 layers, AttnRes blocks of 12, H = 7168, S = 8192 tokens per micro-batch,
+bf16): bytes per micro-batch per boundary and per step for the proposed layouts (auto partition from the cost
+model), cached vs full, and the theoretical bubble ``(pp-1)/(vpp*M+pp-1)``.
+
+Part 2 (measured, gloo on this CPU): a config with K3's block geometry scaled down -- 24 layers in blocks of 3
+(8 blocks, as K3's 93 layers in blocks of 12), KDA:MLA 3:1, LatentMoE, MTP -- at pp = 4: measured bytes per step
+(all ranks, cached vs full; equal to the analytic plan), step time and idle fraction ``1 - compute/step`` per
+rank for vpp = 1 vs vpp = 2 next to the theoretical bubble. On a shared, oversubscribed CPU the ranks compete for
+cores, so the measured idle fraction is indicative only.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from k3train.config import load_config  # noqa: E402
+from parallel.pipeline import AttnResCommPlan, build_partition, describe_partition, theoretical_bubble  # noqa: E402
+from parallel.pipeline.schedules import build_schedule, resolve_schedule, simulate  # noqa: E402
+
+GB = 1e9
+
+
+def _k3_cfg(pp: int, vpp: int):
+    return load_config(None, ["--model.num_nextn_predict_layers=1", f"--parallel.pp={pp}", f"--parallel.vpp={vpp}",
+                              "--train.seq_len=8192"])
+
+
+def boundary_table(plan: AttnResCommPlan, per_tensor: float) -> list[str]:
+    """One line per boundary: cut layer, tensors sent forward (full vs cached), bytes per micro-batch."""
+    full = AttnResCommPlan(plan.part, "full")
+    unit, div = ("MB", 1e6) if per_tensor >= 1e6 else ("KB", 1e3)
+    lines = [f"  {'b':>3} {'cut':>4} {'ranks':>7}   full: {'p':>1}+{'blk':<3} {unit + '/mb':>8}   "
+             f"cached: {'p':>1}+{'blk':<3} {unit + '/mb':>8}"]
+    for b in range(plan.part.num_stages - 1):
+        cut = plan.part.bounds[b][1]
+        f, c = full.payload(b), plan.payload(b)
+        lines.append(f"  {b:>3} {cut:>4} {plan.part.rank_of(b):>3}->{plan.part.rank_of(b + 1):<3}   "
+                     f"{int(f.partial):>7}+{len(f.blocks):<3} {len(f) * per_tensor / div:>8.1f}   "
+                     f"{int(c.partial):>9}+{len(c.blocks):<3} {len(c) * per_tensor / div:>8.1f}")
+    return lines
+
+
+def analytic_k3(layouts: list[tuple[int, int, int]], show_table: tuple[int, int]) -> None:
+    S, elem = 8192, 2
+    print("=" * 100)
+    print("Part 1: full K3 (93 layers, blocks of 12, H=7168), S=8192 tokens per micro-batch, bf16 on the wire")
+    print("=" * 100)
+    rows = []
+    for pp, vpp, M in layouts:
+        cfg = _k3_cfg(pp, vpp)
+        part = build_partition(cfg.model, cfg.parallel, S)
+        per = S * cfg.model.hidden_size * elem
+        cached, full = AttnResCommPlan(part, "cached"), AttnResCommPlan(part, "full")
+        c = cached.step_bytes(M, S, cfg.model.hidden_size, elem)
+        f = full.step_bytes(M, S, cfg.model.hidden_size, elem)
+        sched = build_schedule(resolve_schedule("auto", pp, vpp), pp, vpp, M)
+        costs = part.stage_costs
+        sim = simulate(sched, pp, vpp, f_cost=[x / max(costs) for x in costs],
+                       b_cost=[2 * x / max(costs) for x in costs])
+        rows.append((pp, vpp, M, part.layers_per_stage(), f["total"] / GB, c["total"] / GB, 1 - c["total"] / f["total"],
+                     theoretical_bubble(pp, vpp, M), sim.bubble))
+        if (pp, vpp) == show_table:
+            print(describe_partition(part))
+            print(f"\nper boundary, one micro-batch, forward only (gradients add the same again); one tensor "
+                  f"= S*H*2 B = {per / 1e6:.1f} MB")
+            print("\n".join(boundary_table(cached, per)))
+            print()
+    print(f"{'pp':>3} {'vpp':>3} {'M':>4} {'full GB/step':>13} {'cached GB/step':>15} {'saved':>6} "
+          f"{'bubble formula':>15} {'bubble sim*':>12}   layers per virtual stage")
+    for pp, vpp, M, sizes, fg, cg, saved, th, sb in rows:
+        print(f"{pp:>3} {vpp:>3} {M:>4} {fg:>13.1f} {cg:>15.1f} {100 * saved:>5.1f}% {th:>15.3f} {sb:>12.3f}   "
+              f"{sizes}")
+    print("  GB/step: one pipeline (all its boundaries, activations + gradients), M micro-batches of S tokens.")
+    print("  *bubble sim: the schedule simulated with the cost model's per-stage costs (backward = 2 x forward).")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# measured (gloo)
+# --------------------------------------------------------------------------------------------------------------
+def _small_cfg(pp: int, vpp: int, comm: str, M: int, hidden: int, seq: int):
+    """24 layers in blocks of 3, split evenly (24 / (pp*vpp) layers per virtual stage)."""
+    n = pp * vpp
+    return load_config(ROOT / "configs" / "tiny.yaml", [f"--parallel.pp_layers=[{','.join([str(24 // n)] * n)}]",
+        f"--model.hidden_size={hidden}", "--model.vocab_size=512", "--model.num_hidden_layers=24",
+        "--model.attn_res_block_size=3", "--model.num_experts=4", "--model.num_experts_per_token=2",
+        "--model.kda_chunk_size=16", f"--parallel.pp={pp}", f"--parallel.vpp={vpp}", f"--parallel.attnres_comm={comm}",
+        f"--train.seq_len={seq}", "--train.micro_batch_size=1", f"--train.global_batch_size={M}"], world_size=pp)
+
+
+def _rank_main(rank: int, world: int, port: int, runs: list, steps: int, hidden: int, seq: int, q) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=600))
+    from k3train.data.batch import Batch
+    from k3train.model.model import K3Model
+    from parallel.dims import ParallelDims
+    from parallel.pipeline import LossNorm, build_step_runner
+
+    out = []
+    for vpp, comm, M in runs:
+        cfg = _small_cfg(world, vpp, comm, M, hidden, seq)
+        dims = ParallelDims.from_config(cfg.parallel, world, rank).build_groups()
+        model = K3Model(cfg.model)
+        model.init_weights(1)
+        runner = build_step_runner(model, cfg, dims, num_microbatches=M)
+        g = torch.Generator().manual_seed(0)
+        batches = [Batch.from_samples(torch.randint(3, 512, (1, seq + 1), generator=g), eos_id=1) for _ in range(M)]
+        norm = LossNorm.from_batches(batches, cfg.model.mtp_loss_weight)
+        runner.forward_backward(batches, norm)  # warm-up
+        recs = []
+        for _ in range(steps):
+            runner.model.zero_grad(set_to_none=True)
+            dist.barrier()
+            st = runner.forward_backward(batches, norm)
+            recs.append(st)
+        best = min(recs, key=lambda s: s["step_s"])
+        mine = {k: best[k] for k in ("step_s", "compute_s", "p2p_bytes", "p2p_bytes_hidden", "p2p_bytes_block_cache",
+                                     "p2p_bytes_grad")}
+        # mean forward / backward seconds per local chunk (last step), for the simulated bubble
+        for kind in "FB":
+            for c in range(vpp):
+                ts = [t for a, t in runner.action_times if a.kind == kind and a.chunk == c]
+                mine[f"{kind}{c}"] = sum(ts) / len(ts)
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, mine)
+        if rank == 0:
+            tokens = seq
+            plan = runner.plan.step_bytes(M, tokens, hidden, 4)
+            out.append(((vpp, comm, M), gathered, plan, runner.partition.layers_per_stage()))
+    if rank == 0:
+        q.put(out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measured(pp: int, M: int, steps: int, hidden: int, seq: int) -> None:
+    print("=" * 100)
+    print(f"Part 2: measured with gloo, {pp} ranks: 24 layers in AttnRes blocks of 3, hidden {hidden}, "
+          f"{seq} tokens per micro-batch, fp32, M = {M}")
+    print("=" * 100)
+    runs = [(1, "cached", M), (2, "full", M), (2, "cached", M)]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(r, pp, port, runs, steps, hidden, seq, q)) for r in range(pp)]
+    for p in procs:
+        p.start()
+    out = q.get(timeout=3600)
+    for p in procs:
+        p.join()
+    print(f"{'vpp':>3} {'comm':>6} {'layers/stage':<26} {'sent MB/step':>12} {'hidden':>8} {'blocks':>8} "
+          f"{'grad':>8} {'= plan':>6} {'step s':>7} {'idle (1-compute/step) per rank':>32} {'sim@meas':>9} "
+          f"{'formula':>10}")
+    for (vpp, comm, M_), per_rank, plan, sizes in out:
+        tot = {k: sum(r[k] for r in per_rank) for k in per_rank[0]}
+        step = max(r["step_s"] for r in per_rank)
+        idle = " ".join(f"{1 - r['compute_s'] / r['step_s']:.2f}" for r in per_rank)
+        # the schedule simulated with the measured per-stage forward/backward times
+        f = [per_rank[v % pp][f"F{v // pp}"] for v in range(pp * vpp)]
+        b = [per_rank[v % pp][f"B{v // pp}"] for v in range(pp * vpp)]
+        sim = simulate(build_schedule(resolve_schedule("auto", pp, vpp), pp, vpp, M_), pp, vpp, f, b)
+        ok = "yes" if tot["p2p_bytes"] == plan["total"] else "NO"
+        print(f"{vpp:>3} {comm:>6} {str(sizes):<26} {tot['p2p_bytes'] / 1e6:>12.3f} "
+              f"{tot['p2p_bytes_hidden'] / 1e6:>8.3f} {tot['p2p_bytes_block_cache'] / 1e6:>8.3f} "
+              f"{tot['p2p_bytes_grad'] / 1e6:>8.3f} {ok:>6} {step:>7.2f} {idle:>32} "
+              f"{sim.bubble:>9.3f} {theoretical_bubble(pp, vpp, M_):>10.3f}")
+    full = next(t for (v, c, _), t, _, _ in out if v == 2 and c == "full")
+    cached = next(t for (v, c, _), t, _, _ in out if v == 2 and c == "cached")
+    f, c = sum(r["p2p_bytes"] for r in full), sum(r["p2p_bytes"] for r in cached)
+    print(f"vpp=2: cached/full bytes = {c / f:.3f} ({100 * (1 - c / f):.1f}% saved)")
+    print("idle: measured per rank (ranks share this machine's cores, so a waiting rank's core is used by another and"
+          " the measured idle understates the bubble); sim@meas: the schedule simulated with the measured mean"
+          " forward/backward time of every virtual stage; formula: (pp-1)/(vpp*M+pp-1).")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--no-run", action="store_true", help="analytic part only")
+    ap.add_argument("--pp", type=int, default=4)
+    ap.add_argument("--micro-batches", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--seq", type=int, default=64)
+    args = ap.parse_args()
+    # K3 layouts: (pp, vpp, micro-batches per pipeline per step)
+    layouts = [(8, 1, 32), (8, 2, 32), (8, 3, 32), (16, 1, 32), (16, 2, 32), (12, 2, 24)]
+    analytic_k3(layouts, show_table=(8, 2))
+    small = _small_cfg(4, 2, "cached", 8, args.hidden, args.seq)
+    part = build_partition(small.model, small.parallel, args.seq)
+    plan = AttnResCommPlan(part, "cached")
+    print("\nscaled-down geometry (24 layers, blocks of 3, pp=4, vpp=2):")
+    print(describe_partition(part))
+    print("\n".join(boundary_table(plan, args.seq * args.hidden * 4)))
+    if not args.no_run:
+        measured(args.pp, args.micro_batches, args.steps, args.hidden, args.seq)
+
+
+if __name__ == "__main__":
+    main()
