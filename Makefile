@@ -6,6 +6,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 NPROC  ?= 2
 CONFIG ?= configs/tiny.yaml
+LAYOUT ?= --parallel.pp=2 --parallel.vpp=2
 ARGS   ?=
 DATA   := data_cache/corpus_text_document
 
@@ -24,7 +25,7 @@ $(DATA).bin: $(VENV)/.installed tools/prepare_data.py k3train/data/assets/kjv.tx
 
 train: venv data
 	WANDB_MODE=$${WANDB_MODE:-offline} OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) \
-		-m k3train.train --config $(CONFIG) $(ARGS)
+		-m k3train.train --config $(CONFIG) $(LAYOUT) $(ARGS)
 
 test: venv data
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests

@@ -85,9 +85,6 @@ class ParallelModel:
                         if isinstance(v, (int, float)) and "/layer" not in k})
         return out
 
-    def qk_clip(self, optimizer: Any) -> dict[str, Any]:
-        return optimizer.qk_clip(self.modules) if hasattr(optimizer, "qk_clip") else {}
-
     # checkpoints: full-model FQNs; routed-expert shards as DTensors over the EP mesh
     def state_dict(self) -> dict[str, Any]:
         if self.dims.ep > 1:

@@ -110,13 +110,14 @@ class Trainer:
             dist.all_reduce(t)
         return t.tolist()
 
-    def _reduce_max(self, m: dict[str, Any]) -> dict[str, Any]:
-        """Load-balance metrics are worst-case over layers, and layers live on different pipeline ranks."""
+    def _reduce_over_pp(self, m: dict[str, Any], op: Any) -> dict[str, Any]:
+        """Per-layer metrics (MoE load, QK-Clip) come from the layers each pipeline rank holds: combine them
+        over the pipeline group. Every rank must produce the same keys."""
         keys = sorted(k for k, v in m.items() if isinstance(v, (int, float)))
         if not dist.is_initialized() or self.dims.pp == 1:
             return {k: m[k] for k in keys}
         t = torch.tensor([float(m[k]) for k in keys] + [0.0], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.dims.group("pp"))
+        dist.all_reduce(t, op=op, group=self.dims.group("pp"))
         return dict(zip(keys, t.tolist()))
 
     def train_step(self) -> dict[str, Any]:
@@ -131,7 +132,6 @@ class Trainer:
         moe = self.pm.sync_router_balance()
         lr = self._lr_at(self.step, cfg.optim, cfg.train.steps)
         ostats = self.optimizer.step(lr)
-        qk = self.pm.qk_clip(self.optimizer) if cfg.optim.qk_clip_threshold > 0 else {}
         self.step += 1
         # every rank computes its share; the sum over ranks is the global quantity (loss sums live on last stages)
         sums = self._all_reduce_sum([stats.get("lm_loss_sum", 0.0), stats.get("mtp_loss_sum", 0.0),
@@ -155,9 +155,11 @@ class Trainer:
         if self.dims.pp > 1:
             rec.update(p2p_bytes=int(sums[2]), p2p_bytes_hidden=int(sums[3]), p2p_bytes_block_cache=int(sums[4]),
                        p2p_bytes_grad=int(sums[5]))
-        rec.update(self._reduce_max(moe))
-        rec.update(qk)
-        rec.update({k: v for k, v in ostats.items() if k != "grad_norm" and isinstance(v, (int, float))})
+        rec.update(self._reduce_over_pp(moe, dist.ReduceOp.MAX))
+        # fixed keys with defaults: a stage without MLA layers reports no QK statistics of its own
+        rec.update(self._reduce_over_pp({"qk_max": ostats.get("qk_max", 0.0), "skipped": ostats.get("skipped", 0.0)},
+                                        dist.ReduceOp.MAX))
+        rec.update(self._reduce_over_pp({"qk_clipped_heads": ostats.get("qk_clipped_heads", 0.0)}, dist.ReduceOp.SUM))
         return rec
 
     def train(self) -> None:

@@ -48,6 +48,13 @@ def _in_backward_pass() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def _saved_tensor_hooks_active() -> bool:
+    # non-reentrant activation checkpointing packs saved tensors through hooks and recomputes them per autograd
+    # graph task; a graph built inside forward and differentiated by a nested autograd.grad (a new graph task)
+    # would trigger a second, unsynchronised recomputation -- with collectives -- on some ranks only.
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
 def _grouped_ffn() -> Any:
     from k3train.model.moe import grouped_expert_ffn  # late import: the model package imports nothing of ours
     return grouped_expert_ffn
@@ -143,13 +150,16 @@ class EPDispatcher:
                          else (None, []))
         wait_all([h_tok])
 
-        # 4. expert compute: own experts while the prefetch finishes, then the replicas
+        # 4. expert compute: own experts while the prefetch finishes, then the replicas. Without saved-tensor
+        #    hooks the FFN graph is kept for backward; under activation checkpointing the inputs are saved instead
+        #    (recomputed -- replicas re-prefetched -- by the checkpoint) and the FFN is re-run in backward.
+        graph_mode = need_grad and not _saved_tensor_hooks_active()
         x_sorted = recv.index_select(0, lay.recv_perm)  # the copy out of the comm buffer
-        own = self._ffn(x_sorted[:lay.own_rows], lay.own_offsets(dev), w_data, act, need_grad)
+        own = self._ffn(x_sorted[:lay.own_rows], lay.own_offsets(dev), w_data, act, graph_mode)
         wait_all(h_w)
         rep = None
         if self.moonep:
-            rep = self._ffn(x_sorted[lay.own_rows:], lay.replica_offsets(dev), replicas, act, need_grad)
+            rep = self._ffn(x_sorted[lay.own_rows:], lay.replica_offsets(dev), replicas, act, graph_mode)
         y_sorted = torch.cat([own[2].detach()] + ([rep[2].detach()] if rep is not None else []))
 
         # 5. combine: back to source-major order, reverse all-to-all, back to flat route order
@@ -161,8 +171,12 @@ class EPDispatcher:
         y_routes = x.new_empty(n_tok * k, width).index_copy_(0, lay.send_order, home)
 
         if need_grad:
-            ctx.lay, ctx.inv_perm, ctx.own, ctx.rep, ctx.shape = lay, inv_perm, own, rep, (n_tok, k, width)
-            ctx.weight_shapes = [w.shape for w in weights]
+            ctx.lay, ctx.inv_perm, ctx.shape, ctx.act = lay, inv_perm, (n_tok, k, width), act
+            ctx.graph_mode = graph_mode
+            if graph_mode:
+                ctx.own, ctx.rep = own, rep
+            else:
+                ctx.save_for_backward(x_sorted, *weights, *(replicas if self.moonep else ()))
         if not _in_backward_pass():
             row_bytes = width * x.element_size()
             self.metrics.add(DispatchRecord.from_plan(plan, lay.split, row_bytes, weight_bytes_per_replica(w_data)))
@@ -173,6 +187,12 @@ class EPDispatcher:
         n_tok, k, width = ctx.shape
         dev, dt = grad.device, grad.dtype
         n = self.experts_per_rank
+        if not ctx.graph_mode:  # rebuild the FFN graphs from the saved inputs (activation checkpointing)
+            x_sorted, *saved_w = ctx.saved_tensors
+            ctx.own = self._ffn(x_sorted[:lay.own_rows], lay.own_offsets(dev), tuple(saved_w[:3]), ctx.act, True)
+            if self.moonep:
+                ctx.rep = self._ffn(x_sorted[lay.own_rows:], lay.replica_offsets(dev), tuple(saved_w[3:]), ctx.act,
+                                    True)
 
         # reverse combine: output grads travel to the ranks that computed the routes
         send = self.buffers.get("send", n_tok * k, width, dt, dev)

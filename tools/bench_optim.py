@@ -26,6 +26,7 @@ import os
 import socket
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -122,7 +123,7 @@ def _chunks(model: nn.Module) -> list[list[nn.Parameter]]:
     out = []
     for name, child in model.named_children():
         if name == "layers":
-            out += [[p for p in layer.parameters() if p.requires_grad] for layer in child]
+            out += [[p for p in layer.parameters() if p.requires_grad] for layer in child.children()]
         else:
             out.append([p for p in child.parameters() if p.requires_grad])
     out += [[p] for _, p in model.named_parameters(recurse=False) if p.requires_grad]
@@ -134,41 +135,48 @@ def _rank_main(rank: int, world: int, port: int, a: argparse.Namespace, q: Any) 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        dims = ParallelDims(dp=world, world_size=world, rank=rank).build_groups()
-        factory = k3_factory if a.model == "k3" else standin_factory
-        rows = []
-        for zero in (0, 1, 2):
-            model, loss_fn, ocfg = factory(a)
-            ocfg.qk_clip_threshold = 0.0
-            opt = build_optimizer(model, ocfg, dims, zero=zero, grad_clip=1.0, log_table=False)
-            peak = [0]
-            hooks = []
-            for chunk in _chunks(model):
-                left = {"n": len(chunk)}
-
-                def on_grad(p: torch.Tensor, chunk=chunk, left=left) -> None:
-                    left["n"] -= 1
-                    peak[0] = max(peak[0], opt.grad_bytes())
-                    if left["n"] == 0:  # the chunk's gradients are final: what the pipeline runner signals
-                        opt.reduce_chunk_grads(chunk)
-                        peak[0] = max(peak[0], opt.grad_bytes())
-                for p in chunk:
-                    hooks.append(p.register_post_accumulate_grad_hook(on_grad))
-            loss_fn(model, 1000 + rank).backward()
-            opt.step(1e-3)
-            held = opt.grad_bytes()
-            pbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-            rows.append((zero, pbytes, peak[0], held, opt.state_bytes()))
-            for h in hooks:
-                h.remove()
-            opt.zero_grad()
-            del model, opt
-        out = [None] * world
-        dist.all_gather_object(out, rows)
-        if rank == 0:
-            q.put(out)
+        _measure(rank, world, a, q)
+    except BaseException:  # report to the parent instead of leaving it waiting
+        q.put(f"rank {rank} failed:\n{traceback.format_exc()}")
+        raise
     finally:
         dist.destroy_process_group()
+
+
+def _measure(rank: int, world: int, a: argparse.Namespace, q: Any) -> None:
+    dims = ParallelDims(dp=world, world_size=world, rank=rank).build_groups()
+    factory = k3_factory if a.model == "k3" else standin_factory
+    rows = []
+    for zero in (0, 1, 2):
+        model, loss_fn, ocfg = factory(a)
+        ocfg.qk_clip_threshold = 0.0
+        opt = build_optimizer(model, ocfg, dims, zero=zero, grad_clip=1.0, log_table=False)
+        peak = [0]
+        hooks = []
+        for chunk in _chunks(model):
+            left = {"n": len(chunk)}
+
+            def on_grad(p: torch.Tensor, chunk=chunk, left=left) -> None:
+                left["n"] -= 1
+                peak[0] = max(peak[0], opt.grad_bytes())
+                if left["n"] == 0:  # the chunk's gradients are final: what the pipeline runner signals
+                    opt.reduce_chunk_grads(chunk)
+                    peak[0] = max(peak[0], opt.grad_bytes())
+            for p in chunk:
+                hooks.append(p.register_post_accumulate_grad_hook(on_grad))
+        loss_fn(model, 1000 + rank).backward()
+        opt.step(1e-3)
+        held = opt.grad_bytes()
+        pbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        rows.append((zero, pbytes, peak[0], held, opt.state_bytes()))
+        for h in hooks:
+            h.remove()
+        opt.zero_grad()
+        del model, opt
+    out = [None] * world
+    dist.all_gather_object(out, rows)
+    if rank == 0:
+        q.put(out)
 
 
 def bench_memory(a: argparse.Namespace) -> None:
@@ -182,7 +190,11 @@ def bench_memory(a: argparse.Namespace) -> None:
         p.start()
     per_rank = q.get(timeout=1800)
     for p in procs:
-        p.join()
+        p.join(timeout=None if not isinstance(per_rank, str) else 10)
+        if p.is_alive():
+            p.kill()
+    if isinstance(per_rank, str):
+        raise SystemExit(per_rank)
     print(f"\nmemory per rank, {a.world} gloo ranks, model={a.model} (MiB, measured from tensors)")
     print(f"{'zero':>4} {'rank':>4} {'params':>9} {'grads peak':>11} {'grads held':>11} {'optim state':>12}"
           f" {'state/zero0':>12}")

@@ -20,6 +20,8 @@ Per step (``zero`` = ``parallel.zero``):
        runner when a virtual chunk has finished the backward of its last micro-batch, so a rank holds full
        gradients only for chunks still in flight plus 1/DP of the rest. Anything not reduced by :meth:`step` is
        reduced there (zero=2 also works without a pipeline).
+A parameter whose ``.grad`` is None on a rank contributes zeros (every rank must join the same collectives), and
+it is still stepped (momentum / weight decay), unlike ``torch.optim`` which skips grad-less parameters.
 Gradients are SUMMED across ranks by default (``grad_reduce='sum'``): the trainer divides every micro-batch loss
 by the GLOBAL token count, so each rank's gradient is already its share of the global mean. ``'mean'`` divides by
 the group size for callers that normalise per rank.
@@ -160,12 +162,6 @@ class DistributedOptimizer:
     def owned(self) -> list[ParamInfo]:
         """Parameters whose state lives on this rank (all of them for zero=0)."""
         return [i for i in self.infos if i.index in self.state]
-
-    def owner_of(self, fqn: str) -> int:
-        for i in self.infos:
-            if i.fqn == fqn:
-                return i.owner
-        raise KeyError(fqn)
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state held on this rank, measured from the tensors (incl. fp32 master copies)."""

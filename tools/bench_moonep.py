@@ -1,0 +1,157 @@
+"""Benchmark MoonEP: per-rank load balance of the planner on skewed routing, next to plain EP and EPLB-style static
+replication, plus the MoE layer step time on real gloo ranks.
+
+    python tools/bench_moonep.py planner            # load max/mean, replicas, bytes (E=64/R=8/top-8, K3 E=896/R=64/top-16)
+    python tools/bench_moonep.py step --world 2     # fwd+bwd time of a small MoE layer, MoonEP on vs off
+
+Routing model: Zipf(alpha) expert popularity (popularity ranks randomly placed over experts), each token picks k
+distinct experts with probability proportional to popularity. EPLB baseline (DeepSeek's static redundancy,
+fixed for the step): from the PREVIOUS batch's counts, give the hottest experts ``E/R`` extra copies per rank in
+total (largest load-per-copy first), pack the copies onto ranks (``2E/R`` slots each, heaviest copy to the
+lightest rank with a free slot), split every expert's tokens evenly over its copies; evaluated on the current batch.
+Byte counts assume bf16 weights and activations.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from moonep.planner import max_over_mean, plan_redundant_experts, zipf_counts  # noqa: E402
+
+
+def eplb_loads(history: np.ndarray, current: np.ndarray, R: int) -> np.ndarray:
+    """Per-rank loads of an EPLB-style static placement built from ``history``, evaluated on ``current``."""
+    E = history.size
+    n = E // R
+    copies = np.ones(E, dtype=np.int64)
+    hist = history.astype(np.float64) + 1e-9
+    for _ in range(R * n):  # redundancy budget: E/R extra slots per rank
+        copies[int(np.argmax(hist / copies))] += 1
+    items = sorted(((hist[e] / copies[e], e) for e in range(E) for _ in range(copies[e])), reverse=True)
+    load_hist = np.zeros(R)
+    free = np.full(R, 2 * n)
+    placed = np.zeros((E, R))
+    for w, e in items:
+        cand = np.flatnonzero(free > 0)
+        r = int(cand[np.argmin(load_hist[cand])])
+        load_hist[r] += w
+        free[r] -= 1
+        placed[e, r] += 1
+    return (placed / copies[:, None] * current[:, None]).sum(0)
+
+
+def bench_planner(args: argparse.Namespace) -> None:
+    rng = np.random.default_rng(args.seed)
+    setups = [(64, 8, 8, 4096, 3 * 2048 * 1408 * 2), (896, 64, 16, 4096, 3 * 3584 * 3072 * 2)]
+    print("per-rank routed-token load max/mean (1.00 = perfect); mean over", args.trials, "micro-batches")
+    print(f"{'E':>4} {'R':>3} {'k':>3} {'alpha':>5} | {'plain EP':>8} {'EPLB':>6} {'MoonEP':>6} | "
+          f"{'repl/rank max':>13} {'repl total':>10} {'LB':>3} | {'weight MB/layer':>15} {'token MB/layer':>14}")
+    for E, R, k, tokens, expert_bytes in setups:
+        for alpha in args.alphas:
+            plain, eplb, moon, rmax, rtot, wbytes = [], [], [], [], [], []
+            history = zipf_counts(E, tokens * R, k, alpha, rng, permute=False)
+            perm = rng.permutation(E)
+            history = history[perm]
+            for _ in range(args.trials):
+                c = zipf_counts(E, tokens * R, k, alpha, rng, permute=False)[perm]
+                plan = plan_redundant_experts(c, R)
+                plain.append(max_over_mean(plan.loads_before))
+                moon.append(max_over_mean(plan.loads_after))
+                eplb.append(max_over_mean(eplb_loads(history, c, R)))
+                rmax.append(plan.num_replicas.max())
+                rtot.append(plan.num_replicas.sum())
+                wbytes.append(plan.num_replicas.sum() * expert_bytes)
+                history = c
+            l_dim = 3584 if E == 896 else 2048
+            token_mb = tokens * R * k * l_dim * 2 * (R - 1) / R / 1e6  # dispatch, uniform sources
+            lb = -(-E * (R - 1) // (R * R))
+            print(f"{E:>4} {R:>3} {k:>3} {alpha:>5.2f} | {np.mean(plain):>8.3f} {np.mean(eplb):>6.3f} "
+                  f"{np.mean(moon):>6.3f} | {int(np.max(rmax)):>6d} (<= {E // R:>3d}) {np.mean(rtot):>10.1f} {lb:>3d} | "
+                  f"{np.mean(wbytes) / 1e6:>15.1f} {token_mb:>14.1f}")
+    print("weight MB/layer: replica prefetch per micro-batch and layer (EP-group total; the reduce-back moves the "
+          "same in the grad dtype); token MB/layer: one dispatch (combine and the two backward all-to-alls move the "
+          "same again each)")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+def _step_body(rank: int, world: int, args: argparse.Namespace, out: dict) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from k3train.config import ModelConfig
+    from k3train.model.moe import LatentMoE
+    from moonep import apply_expert_parallel, collect_moonep_metrics
+    from parallel.dims import ParallelDims
+
+    dims = ParallelDims(dp=world, ep=world, world_size=world, rank=rank).build_groups()
+    cfg = ModelConfig(hidden_size=args.d, routed_expert_hidden_size=args.l, moe_intermediate_size=args.f,
+                      num_experts=args.experts, num_experts_per_token=args.k, num_shared_experts=0,
+                      router_balance="none")
+    results = {}
+    for moonep in (False, True):
+        torch.manual_seed(0)
+        moe = LatentMoE(cfg)
+        with torch.no_grad():  # Zipf-like popularity through the router bias
+            pop = 1.0 / np.arange(1, args.experts + 1) ** args.alpha
+            moe.router.bias.copy_(torch.as_tensor(np.log(pop) * 0.5, dtype=torch.float32))
+        apply_expert_parallel(moe, dims, moonep=moonep)
+        x = torch.randn(args.tokens, args.d, generator=torch.Generator().manual_seed(rank))
+        times = []
+        for it in range(args.warmup + args.iters):
+            dist.barrier()
+            t0 = time.perf_counter()
+            moe(x).square().sum().backward()
+            dist.barrier()
+            if it >= args.warmup:
+                times.append(time.perf_counter() - t0)
+        m = collect_moonep_metrics(moe)
+        results[moonep] = (float(np.median(times)), m)
+    if rank == 0:
+        for moonep, (t, m) in results.items():
+            print(f"moonep={str(moonep):5}  fwd+bwd {t * 1e3:8.2f} ms  load max/mean before "
+                  f"{m['moonep/mean_max_over_mean_before']:.2f} after {m['moonep/mean_max_over_mean_after']:.2f}  "
+                  f"replicas/microbatch {m['moonep/replicas'] / (args.warmup + args.iters):.1f}  "
+                  f"weight bytes/microbatch {m['moonep/weight_bytes'] / (args.warmup + args.iters):.0f}")
+        print(f"step time ratio MoonEP/plain = {results[True][0] / results[False][0]:.3f}")
+
+
+def bench_step(args: argparse.Namespace) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from dist_helpers import run_distributed
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    print(f"MoE layer fwd+bwd on {args.world} gloo ranks: E={args.experts} top-{args.k} d={args.d} l={args.l} "
+          f"f={args.f} tokens/rank={args.tokens} zipf alpha={args.alpha} (router bias)")
+    run_distributed(_step_body, args.world, args, {}, timeout=1800)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("planner")
+    p.add_argument("--alphas", type=float, nargs="+", default=[0.0, 0.8, 1.2, 1.6])
+    p.add_argument("--trials", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    s = sub.add_parser("step")
+    s.add_argument("--world", type=int, default=2)
+    s.add_argument("--experts", type=int, default=16)
+    s.add_argument("--k", type=int, default=4)
+    s.add_argument("--d", type=int, default=128)
+    s.add_argument("--l", type=int, default=128)
+    s.add_argument("--f", type=int, default=256)
+    s.add_argument("--tokens", type=int, default=512)
+    s.add_argument("--alpha", type=float, default=1.2)
+    s.add_argument("--iters", type=int, default=10)
+    s.add_argument("--warmup", type=int, default=2)
+    args = ap.parse_args()
+    bench_planner(args) if args.cmd == "planner" else bench_step(args)
+
+
+if __name__ == "__main__":
+    main()
