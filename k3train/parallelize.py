@@ -100,6 +100,29 @@ class ParallelModel:
                 sd.pop(name, None)
         return sd
 
+    def optimizer_state_dict(self, optimizer: Any) -> dict[str, Any]:
+        """The optimizer's flat ``{fqn.state_name: tensor}`` dict, with routed-expert entries turned into DTensor
+        shards over the EP mesh: every EP rank holds a different slice under the same parameter name, so plain
+        tensors would collide in the checkpoint."""
+        sd = optimizer.state_dict()
+        if self.dims.ep == 1:
+            return sd
+        from moonep import as_expert_dtensor, is_expert_param
+
+        mesh = None
+        for fqn, p in self.model.named_parameters():
+            if not is_expert_param(p) or getattr(p, "_k3_global_shape", None) is None:
+                continue
+            for key in [k for k in sd if k.startswith(fqn + ".")]:
+                if tuple(sd[key].shape) == tuple(p.shape):
+                    mesh = mesh or self.ep_state.ep_mesh(self.dims, p.device.type)
+                    sd[key] = as_expert_dtensor(sd[key], p, mesh)
+        return sd
+
+    @staticmethod
+    def local_tensors(sd: dict[str, Any]) -> dict[str, Any]:
+        return {k: (v.to_local() if hasattr(v, "to_local") else v) for k, v in sd.items()}
+
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """``dcp.load`` already copied into the tensors of :meth:`state_dict` (they share storage with the
         parameters); copy again for safety and refresh the replica embedding from its source."""

@@ -76,7 +76,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------------
     def _tensor_state(self) -> dict[str, Any]:
-        return {"model": self.pm.state_dict(), "optim": self.optimizer.state_dict()}
+        return {"model": self.pm.state_dict(), "optim": self.pm.optimizer_state_dict(self.optimizer)}
 
     def _rank_state(self) -> dict[str, Any]:
         return {"step": self.step, "data": self.loader.state_dict(), "rng": get_rng_state()}
@@ -91,7 +91,7 @@ class Trainer:
         state = self._tensor_state()
         rank_state = self.ckpt.load(path, state)
         self.pm.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optim"])
+        self.optimizer.load_state_dict(self.pm.local_tensors(state["optim"]))
         self.step = rank_state["step"]
         self.loader.load_state_dict(rank_state["data"])
         if "rng" in rank_state:

@@ -22,7 +22,8 @@ grads start travelling home (:mod:`moonep.grad_reduce`) while the own-expert bac
 back by all-to-all, overlapped with the reduce-back; the owner adds the replica grads to its shard grads.
 
 Shapes: with MoonEP every rank computes exactly ``N*k`` rows (equal ``N``), whatever the routing; without it the
-count varies (up to ``R*N*min(k, n)``). Reference: :func:`ep_reference_output` (the dense single-process layer).
+count varies (up to ``R*N*min(k, n)``). Reference: ``LocalDispatcher`` / ``latent_moe_reference`` of
+``k3train.model.moe`` run on the EP group's tokens in one process (tests/moonep/test_ep_moe.py).
 """
 from __future__ import annotations
 
@@ -204,17 +205,15 @@ class EPDispatcher:
         # replicas first: their weight grads go home while the own-expert backward runs
         h_red: list[Any] = []
         incoming: list[torch.Tensor] = []
-        g_x_parts = []
+        g_x_rep: list[torch.Tensor] = []
         if self.moonep:
             g_xr, g_wr = self._ffn_backward(ctx.rep, g_sorted[lay.own_rows:])
+            g_x_rep.append(g_xr)
             incoming, h_red = start_reduce_back(lay, tuple(g_wr), self.weight_group, self.ep_ranks, self.buffers)
         g_xo, g_wo = self._ffn_backward(ctx.own, g_sorted[:lay.own_rows])
-        g_x_parts.append(g_xo)
-        if self.moonep:
-            g_x_parts.append(g_xr)
 
         # input grads go back to the source ranks, overlapped with the reduce-back
-        g_x_sorted = torch.cat(g_x_parts)
+        g_x_sorted = torch.cat([g_xo] + g_x_rep)
         back = self.buffers.get("recv", lay.recv_rows, width, dt, dev)
         torch.index_select(g_x_sorted, 0, ctx.inv_perm, out=back)
         home = self.buffers.get("send", n_tok * k, width, dt, dev)
@@ -253,11 +252,3 @@ class _EPExperts(torch.autograd.Function):
         ctx.own = ctx.rep = None  # free the inner graphs
         return (g_x, *g_w, None, None, None)
 
-
-def ep_reference_output(x_all: torch.Tensor, topk_idx_all: torch.Tensor, topk_weight_all: torch.Tensor,
-                        w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
-                        act: tuple[float, float] = (4.0, 25.0)) -> torch.Tensor:
-    """Readable reference: the routed branch over ALL tokens of the EP group with the FULL ``[E, ., .]`` weights
-    (single process, per-token loop)."""
-    from k3train.model.moe import reference_expert_ffn_loop
-    return reference_expert_ffn_loop(x_all, topk_idx_all, topk_weight_all, w_gate, w_up, w_down, *act)

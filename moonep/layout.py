@@ -70,17 +70,14 @@ def weight_transfers(plan: Plan) -> list[WeightTransfer]:
 
 def local_route_positions(topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor,
                                                                                 torch.Tensor]:
-    """``(flat[N*k], counts[E], pos[N*k])``: the routes, per-expert counts, and each route's position among this
-    rank's routes to the same expert (flat order). Needs no plan, so it overlaps the count all-gather."""
+    """``(flat[N*k], counts[E], by_expert[N*k])``: the routes, this rank's per-expert counts, and the route indices
+    sorted by expert (stable: local order kept within an expert). Needs no plan, so it overlaps the count
+    all-gather."""
     flat = topk_idx.reshape(-1)
     counts = torch.bincount(flat, minlength=num_experts)
     if counts.numel() != num_experts:
         raise ValueError(f"moonep: expert index out of range for num_experts={num_experts}")
-    by_expert = torch.argsort(flat, stable=True)
-    starts = torch.cumsum(counts, 0) - counts
-    pos = torch.empty_like(flat)
-    pos[by_expert] = torch.arange(flat.numel(), device=flat.device) - starts[flat[by_expert]]
-    return flat, counts, pos
+    return flat, counts, torch.argsort(flat, stable=True)
 
 
 def build_rank_layout(plan: Plan, counts_by_src: np.ndarray, me: int, topk_idx: torch.Tensor,
@@ -95,18 +92,19 @@ def build_rank_layout(plan: Plan, counts_by_src: np.ndarray, me: int, topk_idx: 
     split = split_tokens(plan, counts_by_src)
     table = plan.slot_table()  # [R, E]
 
-    # ---- source side: destination and compute group of every local entry
-    flat, _, pos = local if local is not None else local_route_positions(topk_idx, E)
+    # ---- source side: this rank's routes of expert e are consecutive in e's global order, so in expert-sorted
+    #      order their destinations are split[me, 0, e] x rank 0, split[me, 1, e] x rank 1, ...
+    flat, counts_local, by_expert = local if local is not None else local_route_positions(topk_idx, E)
+    if counts_local.tolist() != counts_by_src[me].tolist():
+        raise ValueError("moonep layout: this rank's counts differ from the gathered counts")
     num = flat.numel()
-    before_me = torch.as_tensor(counts_by_src[:me].sum(0), dtype=torch.long, device=device)  # [E]
-    global_idx = before_me[flat] + pos
-    cum_alloc = torch.as_tensor(np.cumsum(plan.alloc, 1), dtype=torch.long, device=device)  # [E, R]
-    dest = torch.searchsorted(cum_alloc[flat], global_idx.unsqueeze(1), right=True).squeeze(1)
+    mine = torch.as_tensor(split[me].T.reshape(-1), device=device)  # [E*R], expert-major
+    dest_sorted = torch.repeat_interleave(torch.arange(R, device=device).repeat(E), mine, output_size=num)
+    dest = torch.empty_like(flat)
+    dest[by_expert] = dest_sorted
     group = torch.as_tensor(table, dtype=torch.long, device=device)[dest, flat]
     send_order = torch.argsort(dest * (2 * n) + group, stable=True)
-    send_splits = torch.bincount(dest, minlength=R).tolist() if num else [0] * R
-    if send_splits != split[me].sum(1).tolist():  # the two derivations of the split must agree
-        raise AssertionError(f"moonep layout: send splits {send_splits} != plan {split[me].sum(1).tolist()}")
+    send_splits = split[me].sum(1).tolist()
 
     # ---- destination side: per (source, group) counts in the order the all-to-all delivers them
     group_of_expert = table[me]  # [E]

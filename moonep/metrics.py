@@ -8,7 +8,7 @@ gradient dtype).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import numpy as np
@@ -36,30 +36,46 @@ class DispatchRecord:
 
 @dataclass
 class LayerMetrics:
-    """Records of one layer since the last :meth:`pop_summary`."""
+    """Running aggregates of one layer's dispatches since the last :meth:`pop_summary` (constant memory, so a
+    caller that never collects does not leak)."""
 
-    records: list[DispatchRecord] = field(default_factory=list)
+    count: int = 0
+    sum_before: float = 0.0
+    sum_after: float = 0.0
+    worst_before: float = 0.0
+    worst_after: float = 0.0
+    replicas: int = 0
+    replicas_max_per_rank: int = 0
+    token_bytes: int = 0
+    weight_bytes: int = 0
 
     def add(self, rec: DispatchRecord) -> None:
-        self.records.append(rec)
+        before, after = max_over_mean(rec.load_before), max_over_mean(rec.load_after)
+        self.count += 1
+        self.sum_before += before
+        self.sum_after += after
+        self.worst_before = max(self.worst_before, before)
+        self.worst_after = max(self.worst_after, after)
+        self.replicas += int(rec.replicas.sum())
+        self.replicas_max_per_rank = max(self.replicas_max_per_rank, int(rec.replicas.max(initial=0)))
+        self.token_bytes += rec.token_bytes
+        self.weight_bytes += rec.weight_bytes
 
     def pop_summary(self) -> dict[str, float] | None:
-        if not self.records:
+        if self.count == 0:
             return None
-        before = [max_over_mean(r.load_before) for r in self.records]
-        after = [max_over_mean(r.load_after) for r in self.records]
         out = {
-            "load_max_over_mean_before": float(np.mean(before)),
-            "load_max_over_mean_after": float(np.mean(after)),
-            "load_max_over_mean_before_worst": float(np.max(before)),
-            "load_max_over_mean_after_worst": float(np.max(after)),
-            "replicas_per_microbatch": float(np.mean([r.replicas.sum() for r in self.records])),
-            "replicas_max_per_rank": float(np.max([r.replicas.max() for r in self.records])),
-            "token_bytes": float(sum(r.token_bytes for r in self.records)),
-            "weight_bytes": float(sum(r.weight_bytes for r in self.records)),
-            "microbatches": float(len(self.records)),
+            "load_max_over_mean_before": self.sum_before / self.count,
+            "load_max_over_mean_after": self.sum_after / self.count,
+            "load_max_over_mean_before_worst": self.worst_before,
+            "load_max_over_mean_after_worst": self.worst_after,
+            "replicas_per_microbatch": self.replicas / self.count,
+            "replicas_max_per_rank": float(self.replicas_max_per_rank),
+            "token_bytes": float(self.token_bytes),
+            "weight_bytes": float(self.weight_bytes),
+            "microbatches": float(self.count),
         }
-        self.records.clear()
+        self.__init__()  # reset
         return out
 
 

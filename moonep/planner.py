@@ -27,8 +27,15 @@ Guarantees (all tested in ``tests/moonep/test_planner.py``, property-based):
 - worst-case lower bound: the instance "one rank's experts cold, the other ``E(R-1)/R`` experts equally hot"
   forces ANY planner that balances perfectly to host ``ceil(E(R-1)/R^2)`` replicas on the cold rank (each foreign
   expert carries ``c = cap*R/(n(R-1))`` entries, the cold rank needs ``cap``); :func:`replica_lower_bound`
-  computes that per-instance certificate and no input with ``R | T`` pushes it past ``ceil(E(R-1)/R^2)``. This
-  planner meets it on the worst case and never exceeds ``E/R``; for K3 (E=896, R=64) both are 14.
+  computes that per-instance certificate and no input with ``R | T`` pushes it past ``ceil(E(R-1)/R^2)``.
+- this planner MEETS that bound: with ``R | T`` (equal tokens per rank) no rank hosts more than
+  ``ceil(E(R-1)/R^2) = ceil(n(R-1)/R)`` replicas, so it is worst-case optimal. Proof: deficits only shrink, so a
+  group's quotas are created (and served) in non-increasing order. When ``h`` hands quota ``q`` to ``u``, ``u``
+  has the largest deficit ``q <= cap`` and ``h`` the largest excess, which is ``>= q/(R-1)`` (the positive
+  balances, on at most ``R-1`` ranks, sum to ``>= q``); so ``h``'s experts still hold ``S >= cap + q/(R-1) >=
+  qR/(R-1)`` entries. Largest-first serving uses ``j`` experts with ``(j-1)`` largest summing below ``q``, and
+  the ``j-1`` largest of ``n`` hold ``>= (j-1)S/n``: ``j-1 < qn/S <= n(R-1)/R``. For K3 (E=896, R=64) the bound
+  is 14 = E/R. With unequal tokens per rank the guarantee is ``E/R``.
 
 Token split (:func:`split_tokens`): the entries of expert ``e`` are ordered globally by (source rank, local
 order) and cut into consecutive segments for destination ranks ``0, 1, ..., R-1`` of sizes ``alloc[e, :]``;
@@ -241,10 +248,14 @@ def zipf_counts(num_experts: int, tokens: int, k: int, alpha: float, rng: np.ran
     pop = 1.0 / np.arange(1, num_experts + 1) ** alpha
     if permute:
         pop = pop[rng.permutation(num_experts)]
-    # Gumbel top-k = sampling k distinct experts with probability proportional to popularity
-    g = np.log(pop)[None, :] + rng.gumbel(size=(tokens, num_experts))
-    top = np.argpartition(-g, k - 1, axis=1)[:, :k]
-    return np.bincount(top.reshape(-1), minlength=num_experts).astype(np.int64)
+    logp = np.log(pop).astype(np.float32)[None, :]
+    counts = np.zeros(num_experts, dtype=np.int64)
+    for start in range(0, tokens, 4096):  # Gumbel top-k = k distinct experts, P ~ popularity; chunked for memory
+        rows = min(4096, tokens - start)
+        g = logp + rng.gumbel(size=(rows, num_experts)).astype(np.float32)
+        top = np.argpartition(-g, k - 1, axis=1)[:, :k]
+        counts += np.bincount(top.reshape(-1), minlength=num_experts)
+    return counts
 
 
 def max_over_mean(loads: np.ndarray) -> float:

@@ -72,6 +72,27 @@ def _build_weight_group(dims: Any) -> Any:
     return mine
 
 
+def mark_expert_params(model: nn.Module | Iterable[nn.Module]) -> int:
+    """(Re)set ``_k3_expert_parallel``, ``_k3_global_shape``, ``_k3_shard_offset`` on every routed-expert
+    parameter, from its ``GroupedExperts`` (``expert_offset``, ``num_global_experts``). Idempotent; call it again
+    after anything that replaces Parameter objects (``to_empty``, ``load_state_dict(assign=True)``), which drops
+    Python attributes. Returns the number of parameters marked."""
+    from k3train.model.moe import GroupedExperts
+    marked = 0
+    for mod in _modules(model):
+        for m in mod.modules():
+            if not isinstance(m, GroupedExperts):
+                continue
+            num_global = getattr(m, "num_global_experts", None) or m.num_experts
+            for pname in EXPERT_PARAM_NAMES:
+                p = getattr(m, pname)
+                p._k3_expert_parallel = True
+                p._k3_global_shape = (num_global,) + tuple(p.shape[1:])
+                p._k3_shard_offset = int(getattr(m, "expert_offset", 0))
+                marked += 1
+    return marked
+
+
 def shard_experts(experts: nn.Module, ep: int, ep_rank: int) -> None:
     """Keep experts ``[ep_rank*n, (ep_rank+1)*n)`` of a ``GroupedExperts`` as its parameters (new Parameters,
     same names; works on the meta device)."""
@@ -84,22 +105,21 @@ def shard_experts(experts: nn.Module, ep: int, ep_rank: int) -> None:
     e0 = ep_rank * n
     for pname in EXPERT_PARAM_NAMES:
         old = getattr(experts, pname)
-        new = nn.Parameter(old.data[e0:e0 + n].clone(), requires_grad=old.requires_grad)
-        new._k3_expert_parallel = True
-        new._k3_global_shape = tuple(old.shape)
-        new._k3_shard_offset = e0
-        setattr(experts, pname, new)
+        setattr(experts, pname, nn.Parameter(old.data[e0:e0 + n].clone(), requires_grad=old.requires_grad))
     experts.num_experts = n
     experts.expert_offset = e0
     experts.num_global_experts = num
+    mark_expert_params(experts)
 
 
 def apply_expert_parallel(model: nn.Module | Iterable[nn.Module], dims: Any, moonep: bool = True,
                           impl: str = "auto", separate_weight_group: bool = True) -> ExpertParallelState:
     """Shard every ``LatentMoE``'s routed experts over ``dims.group('ep')`` and install :class:`EPDispatcher`.
 
-    ``model``: a module or the list of this rank's model chunks. Collective when ``separate_weight_group`` (it
-    creates process groups): call it on every rank. With ``ep == 1`` only the parameter marks are set (the
+    ``model``: a module or the list of this rank's model chunks, possibly on the meta device (then materialise
+    with ``to_empty`` + ``init_weights``, which seeds per global expert via ``expert_offset``, and call
+    :func:`mark_expert_params` again: ``to_empty`` drops the marks). Collective when ``separate_weight_group``
+    (it creates process groups): call it on every rank. With ``ep == 1`` only the parameter marks are set (the
     ``edp`` group then equals ``dp_cp``) and the local dispatcher stays.
     """
     state = ExpertParallelState(buffers=CommBuffers())
@@ -107,8 +127,7 @@ def apply_expert_parallel(model: nn.Module | Iterable[nn.Module], dims: Any, moo
         state.weight_group = _build_weight_group(dims)
     for name, moe in _latent_moes(model):
         if dims.ep == 1:
-            for pname in EXPERT_PARAM_NAMES:
-                getattr(moe.experts, pname)._k3_expert_parallel = True
+            mark_expert_params(moe)
             continue
         num_experts = moe.experts.num_experts
         shard_experts(moe.experts, dims.ep, dims.ep_rank)

@@ -1,7 +1,7 @@
 """Benchmark MoonEP: per-rank load balance of the planner on skewed routing, next to plain EP and EPLB-style static
 replication, plus the MoE layer step time on real gloo ranks.
 
-    python tools/bench_moonep.py planner            # load max/mean, replicas, bytes (E=64/R=8/top-8, K3 E=896/R=64/top-16)
+    python tools/bench_moonep.py planner         # load max/mean, replicas, bytes: E=64/R=8/top-8, K3 E=896/R=64/top-16
     python tools/bench_moonep.py step --world 2     # fwd+bwd time of a small MoE layer, MoonEP on vs off
 
 Routing model: Zipf(alpha) expert popularity (popularity ranks randomly placed over experts), each token picks k
@@ -47,34 +47,45 @@ def eplb_loads(history: np.ndarray, current: np.ndarray, R: int) -> np.ndarray:
     return (placed / copies[:, None] * current[:, None]).sum(0)
 
 
+def _drift(perm: np.ndarray, frac: float, rng: np.random.Generator) -> np.ndarray:
+    """Re-shuffle the popularity positions of a fraction ``frac`` of the experts (routing drift)."""
+    perm = perm.copy()
+    moved = rng.choice(perm.size, int(round(frac * perm.size)), replace=False)
+    perm[moved] = perm[rng.permutation(moved)]
+    return perm
+
+
 def bench_planner(args: argparse.Namespace) -> None:
     rng = np.random.default_rng(args.seed)
-    setups = [(64, 8, 8, 4096, 3 * 2048 * 1408 * 2), (896, 64, 16, 4096, 3 * 3584 * 3072 * 2)]
-    print("per-rank routed-token load max/mean (1.00 = perfect); mean over", args.trials, "micro-batches")
-    print(f"{'E':>4} {'R':>3} {'k':>3} {'alpha':>5} | {'plain EP':>8} {'EPLB':>6} {'MoonEP':>6} | "
+    # (E, R, k, tokens per rank, l, bytes per expert (3 matrices, bf16)); E=64 uses DeepSeek-V2-Lite-like dims
+    setups = [(64, 8, 8, args.tokens, 2048, 3 * 2048 * 1408 * 2),
+              (896, 64, 16, args.tokens, 3584, 3 * 3584 * 3072 * 2)]
+    print(f"per-rank routed-token load max/mean (1.00 = perfect); mean over {args.trials} micro-batches of "
+          f"{args.tokens} tokens/rank; drift = fraction of experts whose popularity moves between micro-batches")
+    print(f"{'E':>4} {'R':>3} {'k':>3} {'alpha':>5} {'drift':>5} | {'plain EP':>8} {'EPLB':>6} {'MoonEP':>6} | "
           f"{'repl/rank max':>13} {'repl total':>10} {'LB':>3} | {'weight MB/layer':>15} {'token MB/layer':>14}")
-    for E, R, k, tokens, expert_bytes in setups:
+    for E, R, k, tokens, l_dim, expert_bytes in setups:
         for alpha in args.alphas:
-            plain, eplb, moon, rmax, rtot, wbytes = [], [], [], [], [], []
-            history = zipf_counts(E, tokens * R, k, alpha, rng, permute=False)
-            perm = rng.permutation(E)
-            history = history[perm]
-            for _ in range(args.trials):
-                c = zipf_counts(E, tokens * R, k, alpha, rng, permute=False)[perm]
-                plan = plan_redundant_experts(c, R)
-                plain.append(max_over_mean(plan.loads_before))
-                moon.append(max_over_mean(plan.loads_after))
-                eplb.append(max_over_mean(eplb_loads(history, c, R)))
-                rmax.append(plan.num_replicas.max())
-                rtot.append(plan.num_replicas.sum())
-                wbytes.append(plan.num_replicas.sum() * expert_bytes)
-                history = c
-            l_dim = 3584 if E == 896 else 2048
-            token_mb = tokens * R * k * l_dim * 2 * (R - 1) / R / 1e6  # dispatch, uniform sources
-            lb = -(-E * (R - 1) // (R * R))
-            print(f"{E:>4} {R:>3} {k:>3} {alpha:>5.2f} | {np.mean(plain):>8.3f} {np.mean(eplb):>6.3f} "
-                  f"{np.mean(moon):>6.3f} | {int(np.max(rmax)):>6d} (<= {E // R:>3d}) {np.mean(rtot):>10.1f} {lb:>3d} | "
-                  f"{np.mean(wbytes) / 1e6:>15.1f} {token_mb:>14.1f}")
+            for drift in args.drifts:
+                plain, eplb, moon, rmax, rtot, wbytes = [], [], [], [], [], []
+                perm = rng.permutation(E)
+                history = zipf_counts(E, tokens * R, k, alpha, rng, permute=False)[perm]
+                for _ in range(args.trials):
+                    perm = _drift(perm, drift, rng)
+                    c = zipf_counts(E, tokens * R, k, alpha, rng, permute=False)[perm]
+                    plan = plan_redundant_experts(c, R)
+                    plain.append(max_over_mean(plan.loads_before))
+                    moon.append(max_over_mean(plan.loads_after))
+                    eplb.append(max_over_mean(eplb_loads(history, c, R)))
+                    rmax.append(plan.num_replicas.max())
+                    rtot.append(plan.num_replicas.sum())
+                    wbytes.append(plan.num_replicas.sum() * expert_bytes)
+                    history = c
+                token_mb = tokens * R * k * l_dim * 2 * (R - 1) / R / 1e6  # dispatch, uniform sources
+                lb = -(-E * (R - 1) // (R * R))
+                print(f"{E:>4} {R:>3} {k:>3} {alpha:>5.2f} {drift:>5.2f} | {np.mean(plain):>8.3f} "
+                      f"{np.mean(eplb):>6.3f} {np.mean(moon):>6.3f} | {int(np.max(rmax)):>6d} (<= {E // R:>3d}) "
+                      f"{np.mean(rtot):>10.1f} {lb:>3d} | {np.mean(wbytes) / 1e6:>15.1f} {token_mb:>14.1f}")
     print("weight MB/layer: replica prefetch per micro-batch and layer (EP-group total; the reduce-back moves the "
           "same in the grad dtype); token MB/layer: one dispatch (combine and the two backward all-to-alls move the "
           "same again each)")
@@ -100,7 +111,7 @@ def _step_body(rank: int, world: int, args: argparse.Namespace, out: dict) -> No
         moe = LatentMoE(cfg)
         with torch.no_grad():  # Zipf-like popularity through the router bias
             pop = 1.0 / np.arange(1, args.experts + 1) ** args.alpha
-            moe.router.bias.copy_(torch.as_tensor(np.log(pop) * 0.5, dtype=torch.float32))
+            moe.router.bias.copy_(torch.as_tensor(np.log(pop) * args.bias_scale, dtype=torch.float32))
         apply_expert_parallel(moe, dims, moonep=moonep)
         x = torch.randn(args.tokens, args.d, generator=torch.Generator().manual_seed(rank))
         times = []
@@ -135,7 +146,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("planner")
-    p.add_argument("--alphas", type=float, nargs="+", default=[0.0, 0.8, 1.2, 1.6])
+    p.add_argument("--alphas", type=float, nargs="+", default=[0.0, 0.8, 1.2])
+    p.add_argument("--drifts", type=float, nargs="+", default=[0.0, 0.3])
+    p.add_argument("--tokens", type=int, default=1024, help="tokens per rank per micro-batch")
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     s = sub.add_parser("step")
@@ -147,6 +160,7 @@ def main() -> None:
     s.add_argument("--f", type=int, default=256)
     s.add_argument("--tokens", type=int, default=512)
     s.add_argument("--alpha", type=float, default=1.2)
+    s.add_argument("--bias-scale", type=float, default=0.05, help="router bias = scale * log(zipf popularity)")
     s.add_argument("--iters", type=int, default=10)
     s.add_argument("--warmup", type=int, default=2)
     args = ap.parse_args()

@@ -76,8 +76,7 @@ def _case(dims: ParallelDims, moonep: bool, skew: bool, seed: int, recompute: bo
                                    msg=pname)
 
     assert state.buffers.grows == 0  # token buffers sized once for the worst case
-    records = ep_moe.dispatcher.metrics.records
-    assert len(records) == 2  # one per forward: a recomputed forward is not counted twice
+    assert ep_moe.dispatcher.metrics.count == 2  # one per forward: a recomputed forward is not counted twice
     # the plan of the last micro-batch: perfect balance with MoonEP; the skewed case starves ranks without it
     n_routes = T * K
     if moonep:
