@@ -82,6 +82,9 @@ class MetricsLogger:
             line += f" | p2p {rec['p2p_bytes'] / 2**20:.1f} MiB"
         if "moe_maxvio" in rec:
             line += f" | maxvio {rec['moe_maxvio']:.2f}"
+        if "ep_load_max_over_mean_before" in rec:
+            line += (f" | ep load {rec['ep_load_max_over_mean_before']:.2f}->"
+                     f"{rec['ep_load_max_over_mean_after']:.2f}")
         print(line, flush=True)
 
     def close(self) -> None:

@@ -71,19 +71,26 @@ class ParallelModel:
     def forward_backward(self, micro_batches: list[Any], norm: LossNorm) -> dict[str, Any]:
         return self.runner.forward_backward(micro_batches, norm)
 
-    def sync_router_balance(self) -> dict[str, Any]:
-        """All-reduce Quantile-Balancing statistics over every rank routing the layer; new biases next step."""
+    def sync_router_balance(self) -> tuple[dict[str, float], dict[str, float]]:
+        """All-reduce Quantile-Balancing statistics over every rank routing the layer; new biases next step.
+
+        Returns ``(worst, totals)``: worst-case load metrics (to MAX over pipeline ranks) and byte/replica counts
+        (to SUM over all ranks). The same keys on every rank (a stage may hold no MoE layer)."""
         from moonep import collect_moonep_metrics, sync_router_balance
 
-        m = sync_router_balance(self.modules, self.dims)
         if self.cfg.model.num_experts == 0:
-            return {}
-        # the same keys on every rank (a stage may hold no MoE layer): the trainer MAX-reduces them over pp
-        out: dict[str, Any] = {"moe_maxvio": m.get("router/maxvio_max", 0.0)}
+            return {}, {}
+        m = sync_router_balance(self.modules, self.dims)
+        worst = {"moe_maxvio": float(m.get("router/maxvio_max", 0.0))}
+        totals: dict[str, float] = {}
         if self.dims.ep > 1:
-            out.update({k: v for k, v in collect_moonep_metrics(self.modules).items()
-                        if isinstance(v, (int, float)) and "/layer" not in k})
-        return out
+            e = collect_moonep_metrics(self.modules)
+            worst["ep_load_max_over_mean_before"] = float(e.get("moonep/worst_max_over_mean_before", 0.0))
+            worst["ep_load_max_over_mean_after"] = float(e.get("moonep/worst_max_over_mean_after", 0.0))
+            totals = {"ep_token_bytes": float(e.get("moonep/token_bytes", 0.0)),
+                      "ep_weight_bytes": float(e.get("moonep/weight_bytes", 0.0)),
+                      "ep_replicas": float(e.get("moonep/replicas", 0.0))}
+        return worst, totals
 
     # checkpoints: full-model FQNs; routed-expert shards as DTensors over the EP mesh
     def state_dict(self) -> dict[str, Any]:

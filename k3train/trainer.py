@@ -129,14 +129,16 @@ class Trainer:
         norm = LossNorm(lm_tokens=lm_tokens, mtp_tokens=mtp_tokens, mtp_weight=mtp_w)
         self.optimizer.zero_grad()
         stats = self.pm.forward_backward(micro_batches, norm)
-        moe = self.pm.sync_router_balance()
+        moe_worst, moe_totals = self.pm.sync_router_balance()
         lr = self._lr_at(self.step, cfg.optim, cfg.train.steps)
         ostats = self.optimizer.step(lr)
         self.step += 1
         # every rank computes its share; the sum over ranks is the global quantity (loss sums live on last stages)
+        total_keys = sorted(moe_totals)
         sums = self._all_reduce_sum([stats.get("lm_loss_sum", 0.0), stats.get("mtp_loss_sum", 0.0),
                                      stats.get("p2p_bytes", 0.0), stats.get("p2p_bytes_hidden", 0.0),
-                                     stats.get("p2p_bytes_block_cache", 0.0), stats.get("p2p_bytes_grad", 0.0)])
+                                     stats.get("p2p_bytes_block_cache", 0.0), stats.get("p2p_bytes_grad", 0.0)]
+                                    + [moe_totals[k] for k in total_keys])
         dt = time.perf_counter() - t0
         tokens = cfg.train.global_batch_size * cfg.train.seq_len
         tps = tokens / dt
@@ -155,7 +157,8 @@ class Trainer:
         if self.dims.pp > 1:
             rec.update(p2p_bytes=int(sums[2]), p2p_bytes_hidden=int(sums[3]), p2p_bytes_block_cache=int(sums[4]),
                        p2p_bytes_grad=int(sums[5]))
-        rec.update(self._reduce_over_pp(moe, dist.ReduceOp.MAX))
+        rec.update(self._reduce_over_pp(moe_worst, dist.ReduceOp.MAX))
+        rec.update({k: int(v) for k, v in zip(total_keys, sums[6:])})
         # fixed keys with defaults: a stage without MLA layers reports no QK statistics of its own
         rec.update(self._reduce_over_pp({"qk_max": ostats.get("qk_max", 0.0), "skipped": ostats.get("skipped", 0.0)},
                                         dist.ReduceOp.MAX))

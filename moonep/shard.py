@@ -65,7 +65,7 @@ def _build_weight_group(dims: Any) -> Any:
     if not dist.is_initialized() or dims.ep == 1:
         return None
     mine = None
-    for ranks in dims._enumerate_groups()["ep"]:
+    for ranks in dims.all_group_ranks("ep"):
         g = dist.new_group(ranks)
         if dims.rank in ranks:
             mine = g

@@ -143,6 +143,14 @@ class ParallelDims:
                 out["edp"].append([base + g * E + e for g in range(D * C // E)])
         return out
 
+    def all_group_ranks(self, kind: str) -> list[list[int]]:
+        """Every group of ``kind`` ('pp', 'dp', 'cp', 'dp_cp', 'ep', 'edp', ...) as global-rank lists, in the order
+        all ranks create them (for building companion groups, e.g. MoonEP's weight-traffic groups)."""
+        groups = self._enumerate_groups()
+        if kind not in groups:
+            raise KeyError(f"unknown group kind {kind!r} (known: {', '.join(groups)})")
+        return groups[kind]
+
     def build_groups(self, backend: str | None = None) -> "ParallelDims":
         """Create the process groups (collective call: every rank must call it). Size-1 groups stay ``None``."""
         all_groups = self._enumerate_groups()

@@ -301,6 +301,10 @@ def grouped_expert_ffn(x_sorted: torch.Tensor, offsets: torch.Tensor, w_gate: to
     if w_gate.dtype != x_sorted.dtype:
         # low-precision activations with fp32 master weights: compute in the activation dtype (differentiable cast)
         w_gate, w_up, w_down = (w.to(x_sorted.dtype) for w in (w_gate, w_up, w_down))
+    if x_sorted.shape[0] == 0:
+        # nothing routed here (a rank or micro-batch with zero tokens): torch._grouped_mm's backward rejects empty
+        # inputs, and there is nothing to compute; the weights get a zero gradient contribution
+        return x_sorted.new_zeros((0, l_dim)) + 0.0 * (w_gate.sum() + w_up.sum() + w_down.sum())
     if impl == "auto":
         impl = "grouped_mm" if _grouped_mm_applies(x_sorted, w_gate, w_up, w_down) else "padded_bmm"
     if impl == "grouped_mm":
