@@ -24,6 +24,7 @@ $(DATA).bin: $(VENV)/.installed tools/prepare_data.py k3train/data/assets/kjv.tx
 	$(PY) tools/prepare_data.py --shipped-corpus --output-prefix $(DATA)
 
 train: venv data
+	$(PY) -m k3train.train --check --world-size $(NPROC) --config $(CONFIG) $(LAYOUT) $(ARGS)
 	WANDB_MODE=$${WANDB_MODE:-offline} OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) \
 		-m k3train.train --config $(CONFIG) $(LAYOUT) $(ARGS)
 

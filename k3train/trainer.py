@@ -50,6 +50,8 @@ class Trainer:
         _setup_logging(self.env.rank, cfg.logging.level)
         self.dims = ParallelDims.from_config(cfg.parallel, self.env.world_size, self.env.rank).build_groups()
         log.info("layout: %s", self.dims.describe())
+        # tensors for small collectives live where the backend wants them (gloo: CPU, nccl: the GPU)
+        self._comm_device = self.env.device if self.env.backend == "nccl" else torch.device("cpu")
         self.out_dir = Path(cfg.train.out_dir)
         if self.env.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -105,7 +107,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------------
     def _all_reduce_sum(self, values: list[float]) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64)
+        t = torch.tensor(values, dtype=torch.float64, device=self._comm_device)
         if dist.is_initialized():
             dist.all_reduce(t)
         return t.tolist()
@@ -116,7 +118,7 @@ class Trainer:
         keys = sorted(k for k, v in m.items() if isinstance(v, (int, float)))
         if not dist.is_initialized() or self.dims.pp == 1:
             return {k: m[k] for k in keys}
-        t = torch.tensor([float(m[k]) for k in keys] + [0.0], dtype=torch.float64)
+        t = torch.tensor([float(m[k]) for k in keys] + [0.0], dtype=torch.float64, device=self._comm_device)
         dist.all_reduce(t, op=op, group=self.dims.group("pp"))
         return dict(zip(keys, t.tolist()))
 
@@ -124,9 +126,9 @@ class Trainer:
         cfg = self.cfg
         t0 = time.perf_counter()
         micro_batches = self.loader.next_step()
-        lm_tokens, mtp_tokens = self.loader.global_token_counts()
         mtp_w = cfg.model.mtp_loss_weight if cfg.model.num_nextn_predict_layers else 0.0
-        norm = LossNorm(lm_tokens=lm_tokens, mtp_tokens=mtp_tokens, mtp_weight=mtp_w)
+        # global loss-token counts: this rank's micro-batches summed over every rank holding other rows/segments
+        norm = LossNorm.from_batches(micro_batches, mtp_w, group=self.dims.group("dp_cp"), device=self._comm_device)
         self.optimizer.zero_grad()
         stats = self.pm.forward_backward(micro_batches, norm)
         moe_worst, moe_totals = self.pm.sync_router_balance()

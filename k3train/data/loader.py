@@ -90,7 +90,7 @@ class GlobalBatchLoader:
         self.num_samples = len(self.dataset)
         self.cyclic = split != "train"
         self.consumed_samples = int(consumed_samples)
-        self._last: Batch | None = None  # the whole global batch of the last step (for token counts)
+        self._last: int | None = None  # consumed_samples at the start of the last step (for token counts)
 
     # ------------------------------------------------------------------------------------------------------
     @classmethod
@@ -115,29 +115,34 @@ class GlobalBatchLoader:
                             f"was built with {self.num_samples} (train.steps * global_batch_size)")
         return idx
 
+    def _rows(self, indices: np.ndarray) -> Batch:
+        samples = torch.from_numpy(np.stack([sample_tokens(self.dataset, i) for i in indices]))
+        return Batch.from_samples(samples, self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id)
+
     def global_batch(self, consumed: int | None = None) -> Batch:
         """The whole global batch ``[GBS, seq_len]`` starting at ``consumed`` (no dp/cp split)."""
-        rows = [sample_tokens(self.dataset, i) for i in self.global_sample_indices(consumed)]
-        samples = torch.from_numpy(np.stack(rows))
-        return Batch.from_samples(samples, self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id)
+        return self._rows(self.global_sample_indices(consumed))
 
     def next_step(self) -> list[Batch]:
         """This rank's micro-batches for the next step (``grad_accum_steps`` of ``[mbs, seq_len/cp]``), and
-        advance ``consumed_samples`` by GBS."""
-        full = self.global_batch()
+        advance ``consumed_samples`` by GBS. Reads only this data-parallel rank's ``GBS/dp`` rows (a contiguous
+        block of the global batch; rows are independent, so the split cannot change their contents)."""
         per_dp = self.gbs // self.dp
-        mine = full.micro_batches(per_dp)[self.dp_rank]
+        idx = self.global_sample_indices()[self.dp_rank * per_dp:(self.dp_rank + 1) * per_dp]
+        mine = self._rows(idx)
         out = [mb.slice_cp(self.cp_rank, self.cp) if self.cp > 1 else mb for mb in mine.micro_batches(self.mbs)]
-        self._last = full
+        self._last = self.consumed_samples
         self.consumed_samples += self.gbs
         return out
 
     def global_token_counts(self) -> tuple[int, int]:
         """``(lm_tokens, mtp_tokens)`` of the whole global batch of the step last returned by
-        :meth:`next_step` (identical on every rank)."""
+        :meth:`next_step` (identical on every rank). Reads the whole global batch: the trainer instead sums
+        its own micro-batches' counts over the data x context parallel group (``LossNorm.from_batches``)."""
         if self._last is None:
             raise RuntimeError("global_token_counts() called before next_step()")
-        return self._last.num_lm_tokens(), self._last.num_mtp_tokens()
+        full = self.global_batch(self._last)
+        return full.num_lm_tokens(), full.num_mtp_tokens()
 
     # ------------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

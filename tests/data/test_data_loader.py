@@ -14,7 +14,7 @@ from k3train.data.batch import Batch
 from k3train.data.corpus import DataError
 from k3train.data.dataset import _file_lock, read_documents_back, split_document_ranges
 from k3train.data.loader import GlobalBatchLoader
-from conftest import copy_dataset, make_cfg
+from data_helpers import copy_dataset, make_cfg
 from dist_helpers import free_port
 
 FIELDS = ("tokens", "labels", "loss_mask", "doc_ids", "positions", "mtp_labels", "mtp_loss_mask")

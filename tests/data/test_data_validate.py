@@ -11,7 +11,7 @@ from k3train.data.corpus import DataError, write_text_corpus
 from k3train.data.dataset import build_gpt_datasets, validate_indexed_dataset
 from k3train.data.prepare import prepare
 from k3train.data.tokenizer import load_tokenizer
-from conftest import copy_dataset
+from data_helpers import copy_dataset
 
 
 def _one_line(e: pytest.ExceptionInfo) -> str:

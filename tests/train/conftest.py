@@ -2,10 +2,6 @@
 from __future__ import annotations
 
 import itertools
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,14 +9,6 @@ import pytest
 from k3train.data.corpus import DEFAULT_CORPUS, read_documents, write_text_corpus
 from k3train.data.prepare import prepare
 from k3train.data.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
-
-ROOT = Path(__file__).resolve().parents[2]
-PY = sys.executable
-TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
-
-# a short run of the tiny config: 64-token sequences, 4 per step in 2 micro-batches per rank-pair
-FAST = ["--train.seq_len=64", "--train.global_batch_size=4", "--train.micro_batch_size=1",
-        "--data.split=100,0,0", "--logging.wandb=false", "--optim.warmup_steps=2"]
 
 
 @pytest.fixture(scope="session")
@@ -31,18 +19,3 @@ def corpus_prefix(tmp_path_factory) -> Path:
     prefix = d / "kjv120_text_document"
     prepare([d / "kjv120.txt"], load_tokenizer(DEFAULT_TOKENIZER), prefix)
     return prefix
-
-
-def run_train(args: list[str], nproc: int = 0, timeout: float = 600) -> subprocess.CompletedProcess:
-    """``python -m k3train.train`` (nproc 0) or ``torchrun --nproc_per_node=nproc -m k3train.train``."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(WANDB_MODE="disabled", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    if nproc:
-        cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", "-m", "k3train.train", *args]
-    else:
-        cmd = [PY, "-m", "k3train.train", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -5,9 +5,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import pytest
 
-from conftest import FAST, run_train
+from train_helpers import FAST, run_train
 
 
 def _expect_error(res, *needles: str) -> str:
@@ -88,3 +87,11 @@ def test_idx_not_matching_bin(tmp_path, corpus_prefix):
 def test_tokenizer_vocab_larger_than_model(tmp_path, corpus_prefix):
     _expect_error(run_train(["--config", "configs/tiny.yaml", f"--data.path={corpus_prefix}",
                              "--model.vocab_size=1000", *FAST]), "model.vocab_size")
+
+
+def test_check_mode_validates_for_a_world_size(corpus_prefix):
+    ok = run_train(["--check", "--world-size", "4", "--config", "configs/tiny.yaml", f"--data.path={corpus_prefix}",
+                    *FAST, "--parallel.pp=2"])
+    assert ok.returncode == 0 and "valid" in ok.stdout, ok.stderr
+    _expect_error(run_train(["--check", "--world-size", "3", "--config", "configs/tiny.yaml",
+                             f"--data.path={corpus_prefix}", *FAST, "--parallel.pp=2"]), "world size 3")

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from conftest import FAST, read_metrics, run_train  # tests/train/conftest.py
+from train_helpers import FAST, read_metrics, run_train
 
 
 def _args(prefix, out, steps, *extra):
