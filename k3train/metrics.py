@@ -47,7 +47,9 @@ def memory_gib(device: torch.device) -> float:
 
 class MetricsLogger:
     def __init__(self, out_dir: Path, enabled: bool, wandb_cfg: Any | None, run_config: dict[str, Any],
-                 resume: bool) -> None:
+                 resume_step: int | None = None) -> None:
+        """``resume_step``: the step a resumed run continues from; records after it (written before a crash
+        that happened after the checkpoint) are dropped so every step appears once."""
         self.enabled = enabled
         self.wandb = None
         self.path = out_dir / "metrics.jsonl"
@@ -55,7 +57,13 @@ class MetricsLogger:
         self.tty = sys.stdout.isatty()
         if not enabled:
             return
-        self._f = open(self.path, "a" if resume else "w")
+        kept: list[str] = []
+        if resume_step is not None and self.path.is_file():
+            kept = [ln for ln in self.path.read_text().splitlines()
+                    if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
+        self._f = open(self.path, "w")
+        for ln in kept:
+            self._f.write(ln + "\n")
         if wandb_cfg is not None and wandb_cfg.wandb:
             mode = os.environ.get("WANDB_MODE", wandb_cfg.wandb_mode)
             if mode != "disabled":

@@ -22,6 +22,9 @@ def preflight(cfg: Config) -> None:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                           f"{tok.vocab_size} ids ({tok_path})")
     validate_indexed_dataset(cfg.data.path, vocab_size=cfg.model.vocab_size)
+    resume = cfg.checkpoint.resume
+    if resume not in ("auto", "none") and not (Path(resume) / "COMPLETE").is_file():
+        raise ConfigError(f"checkpoint.resume: {resume} is not a complete checkpoint directory (no COMPLETE marker)")
 
     from parallel.pipeline.partition import build_partition
     from parallel.pipeline.schedules import build_schedule, resolve_schedule

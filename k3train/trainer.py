@@ -74,7 +74,8 @@ class Trainer:
         self.peak_flops = cfg.logging.peak_flops or measure_peak_flops(self.env.device)
         log.info("MFU denominator: %.1f GFLOP/s per rank (%s)", self.peak_flops / 1e9,
                  "configured" if cfg.logging.peak_flops else "measured fp32 matmul at start-up")
-        self.metrics = MetricsLogger(self.out_dir, self.env.is_main, cfg.logging, cfg.to_dict(), resume=resumed)
+        self.metrics = MetricsLogger(self.out_dir, self.env.is_main, cfg.logging, cfg.to_dict(),
+                                     resume_step=self.step if resumed else None)
 
     # ------------------------------------------------------------------------------------------------------
     def _tensor_state(self) -> dict[str, Any]:

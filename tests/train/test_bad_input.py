@@ -95,3 +95,8 @@ def test_check_mode_validates_for_a_world_size(corpus_prefix):
     assert ok.returncode == 0 and "valid" in ok.stdout, ok.stderr
     _expect_error(run_train(["--check", "--world-size", "3", "--config", "configs/tiny.yaml",
                              f"--data.path={corpus_prefix}", *FAST, "--parallel.pp=2"]), "world size 3")
+
+
+def test_resume_from_missing_checkpoint(tmp_path, corpus_prefix):
+    _expect_error(run_train(["--config", "configs/tiny.yaml", f"--data.path={corpus_prefix}", *FAST,
+                             f"--checkpoint.resume={tmp_path / 'step_00000007'}"]), "checkpoint.resume")

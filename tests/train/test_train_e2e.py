@@ -37,6 +37,8 @@ def test_exact_resume_single_process(corpus_prefix, tmp_path, straight):
     out = tmp_path / "resumed"
     _ok(run_train(_args(corpus_prefix, out, 6, "--train.stop_at_step=3", "--checkpoint.resume=auto")))
     assert (out / "checkpoints" / "step_00000003" / "COMPLETE").is_file()
+    with open(out / "metrics.jsonl", "a") as f:  # a step logged after the checkpoint by a run that then crashed
+        f.write('{"step": 4, "loss": 123.0}\n')
     _ok(run_train(_args(corpus_prefix, out, 6, "--checkpoint.resume=auto")))
     got = read_metrics(out)
     assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6]
