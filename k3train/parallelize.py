@@ -13,7 +13,8 @@ The model itself (``k3train/model``) is plain ``nn.Module``s; everything distrib
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -29,14 +30,17 @@ from parallel.pipeline.runner import StepRunner, build_step_runner
 log = logging.getLogger(__name__)
 
 
-def make_seq_builder(dims: ParallelDims) -> Callable[[Any], SeqInfo]:
+def make_seq_builder(cfg: Config, dims: ParallelDims) -> Callable[[Any], SeqInfo]:
     """``batch -> SeqInfo``; attaches a KCP context (collective over ``cp``) when context parallel is on."""
     if dims.cp == 1:
         return lambda b: SeqInfo.from_doc_ids(b.doc_ids, b.positions)
+    from k3train.ops.kda import chunk_kda
     from kcp import KCPContext
 
+    kda_fn = functools.partial(chunk_kda, chunk_size=cfg.model.kda_chunk_size)  # the layer's chunking, exactly
+
     def build(b: Any) -> SeqInfo:
-        return SeqInfo.from_doc_ids(b.doc_ids, b.positions, cp=KCPContext.from_batch(b, dims))
+        return SeqInfo.from_doc_ids(b.doc_ids, b.positions, cp=KCPContext.from_batch(b, dims, kda_fn=kda_fn))
 
     return build
 
@@ -48,7 +52,6 @@ class ParallelModel:
     runner: StepRunner
     ep_state: Any = None
     flops_per_token: float = 0.0
-    _mesh_sd: dict[str, Any] | None = field(default=None, repr=False)
 
     @property
     def model(self) -> nn.Module:
@@ -144,7 +147,7 @@ class ParallelModel:
 
 def parallelize(cfg: Config, dims: ParallelDims, device: torch.device) -> ParallelModel:
     """Build this rank's part of the model with every parallel dimension applied (collective)."""
-    runner = build_step_runner(None, cfg, dims, make_seq=make_seq_builder(dims), device=device,
+    runner = build_step_runner(None, cfg, dims, make_seq=make_seq_builder(cfg, dims), device=device,
                                num_microbatches=cfg.train.grad_accum_steps)
     ep_state = None
     if cfg.model.num_experts > 0:
