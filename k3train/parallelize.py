@@ -145,6 +145,17 @@ class ParallelModel:
         self.runner.sync_replica_weights()  # collective over the first/last-stage pair (no-op without one)
 
 
+def cast_params_to_bf16(modules: list[nn.Module]) -> None:
+    """``train.dtype=bfloat16``: parameters (and so activations and gradients) in bf16; the optimizer keeps fp32
+    master copies of every non-fp32 parameter, sharded with its other state under ZeRO. Buffers stay fp32 (router
+    biases and QB statistics need the precision); norms and the KDA core compute in fp32 internally."""
+    with torch.no_grad():
+        for mod in modules:
+            for p in mod.parameters():
+                if p.dtype == torch.float32:
+                    p.data = p.data.to(torch.bfloat16)
+
+
 def parallelize(cfg: Config, dims: ParallelDims, device: torch.device) -> ParallelModel:
     """Build this rank's part of the model with every parallel dimension applied (collective)."""
     runner = build_step_runner(None, cfg, dims, make_seq=make_seq_builder(cfg, dims), device=device,
@@ -154,5 +165,7 @@ def parallelize(cfg: Config, dims: ParallelDims, device: torch.device) -> Parall
         from moonep import apply_expert_parallel
 
         ep_state = apply_expert_parallel(runner.modules, dims, moonep=cfg.parallel.moonep)
+    if cfg.train.dtype == "bfloat16":
+        cast_params_to_bf16(runner.modules)
     flops = model_flops_per_token(cfg.model, cfg.train.seq_len)
     return ParallelModel(cfg=cfg, dims=dims, runner=runner, ep_state=ep_state, flops_per_token=flops)

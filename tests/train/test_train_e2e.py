@@ -75,3 +75,17 @@ def test_torchrun_expert_parallel_resumes_exactly(corpus_prefix, tmp_path, strai
     for a, b in zip(got, straight):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+
+def test_torchrun_bf16_with_fp32_masters_tracks_fp32(corpus_prefix, tmp_path, straight):
+    """train.dtype=bfloat16: bf16 parameters/activations/p2p payloads, fp32 master weights in the (ZeRO) optimizer.
+    Same global batches as the fp32 run, so the losses stay close (bf16 rounding only)."""
+    out = tmp_path / "bf16"
+    _ok(run_train(_args(corpus_prefix, out, 6, "--train.dtype=bfloat16", "--parallel.pp=2",
+                        "--checkpoint.resume=none"), nproc=2))
+    got = read_metrics(out)
+    assert len(got) == 6
+    for a, b in zip(got, straight):
+        assert a["loss"] == pytest.approx(b["loss"], abs=0.03)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=0.05)
+    assert got[-1]["loss"] < got[0]["loss"]
