@@ -164,7 +164,6 @@ class DataConfig:
     path: str = "data_cache/corpus_text_document"  # Megatron indexed-dataset prefix (.bin/.idx)
     tokenizer: str = "k3train/data/assets/tokenizer.json"
     split: str = "98,2,0"
-    num_workers: int = 0
 
 
 @dataclass
@@ -249,6 +248,11 @@ class Config:
                  f"must be in [1, num_experts) (Quantile Balancing routes top-(k+1)), got {m.num_experts_per_token}"
                  f" with num_experts={m.num_experts}")
             need(m.routed_expert_hidden_size > 0, "model.routed_expert_hidden_size", "must be > 0")
+        # variants the published configs name but K3 does not use: rejected here, before any work starts
+        need(m.mla_use_nope, "model.mla_use_nope", "false (rotary MLA) is not implemented; K3 uses NoPE")
+        need(m.use_full_rank_gate, "model.use_full_rank_gate",
+             "false (Kimi Linear's low-rank output gate) is not implemented; K3 uses the full-rank gate")
+        need(not m.tie_word_embeddings, "model.tie_word_embeddings", "true is not supported (K3 unties them)")
         need(m.attn_res_block_size >= 1, "model.attn_res_block_size", "must be >= 1")
         need(m.num_nextn_predict_layers in (0, 1), "model.num_nextn_predict_layers", "0 or 1 MTP layer")
         if m.q_lora_rank < 0 or m.kv_lora_rank <= 0:

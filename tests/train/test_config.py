@@ -71,6 +71,8 @@ def test_inconsistent_values_are_named():
         load_config(None, ["--model.num_hidden_layers=8", "--parallel.pp=2", "--parallel.pp_layers=[4,3]"])
     with pytest.raises(ConfigError, match="cannot fill"):
         load_config(None, ["--model.num_hidden_layers=3", "--parallel.pp=2", "--parallel.vpp=2"])
+    with pytest.raises(ConfigError, match="model.mla_use_nope"):
+        load_config(None, ["--model.mla_use_nope=false"])
     with pytest.raises(ConfigError, match="seq_len"):
         load_config(None, ["--train.seq_len=130", "--parallel.cp=4"])
 
