@@ -18,8 +18,8 @@ from k3train.data.batch import Batch
 from k3train.data.corpus import DEFAULT_CORPUS, read_documents
 from k3train.data.tokenizer import load_tokenizer
 from k3train.model.model import K3Model
-from k3train.model.seq import SeqInfo
 from parallel.pipeline.loss_norm import LossNorm
+from reference_step import single_process_step
 
 ROOT = Path(__file__).resolve().parents[2]
 WORLD = 4
@@ -111,17 +111,7 @@ def reference(cfg: Config, full: Batch) -> Reference:
     model.train()
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     norm = loss_norm(cfg, full)
-    L = cfg.model.num_hidden_layers
-    stats = {"loss": 0.0, "lm_loss_sum": 0.0, "mtp_loss_sum": 0.0}
-    for b in full.micro_batches(MBS):
-        seq = SeqInfo.from_doc_ids(b.doc_ids, b.positions)
-        sums = model.loss_sums(model.forward_layers(model.embed(b.tokens), 0, L, seq), b, seq)
-        loss = norm(sums)
-        loss.backward()
-        stats["loss"] += float(loss.detach())
-        stats["lm_loss_sum"] += float(sums["lm_loss_sum"].detach())
-        stats["mtp_loss_sum"] += float(sums["mtp_loss_sum"].detach())
-    grads = {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
+    grads, stats = single_process_step(model, full.micro_batches(MBS), norm)
     loads, hist, bias, width = {}, {}, {}, {}
     for name, r in model.routers():
         loads[name], hist[name] = r.expert_loads.clone(), r.qb_hist.clone()

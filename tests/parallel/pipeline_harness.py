@@ -11,11 +11,11 @@ import torch
 from k3train.config import Config, load_config
 from k3train.data.batch import Batch
 from k3train.model.model import K3Model
-from k3train.model.seq import SeqInfo
 from parallel.comm_stats import ByteCounter
 from parallel.dims import ParallelDims
 from parallel.pipeline import LossNorm, build_step_runner
 from parallel.pipeline.schedules import Message, deps_of
+from reference_step import single_process_step
 
 ROOT = Path(__file__).resolve().parents[2]
 SEED = 7
@@ -61,17 +61,7 @@ def reference(cfg: Config, batches: list[Batch], seed: int = SEED) -> tuple[dict
     """Single-process gradients (by FQN) and summed loss stats of the global batch ``batches``."""
     model = full_model(cfg, seed)
     norm = LossNorm.from_batches(batches, cfg.model.mtp_loss_weight)
-    stats = {"loss": 0.0, "lm_loss_sum": 0.0, "mtp_loss_sum": 0.0}
-    L = cfg.model.num_hidden_layers
-    for b in batches:
-        seq = SeqInfo.from_doc_ids(b.doc_ids, b.positions)
-        sums = model.loss_sums(model.forward_layers(model.embed(b.tokens), 0, L, seq), b, seq)
-        loss = norm(sums)
-        loss.backward()
-        stats["loss"] += float(loss.detach())
-        stats["lm_loss_sum"] += float(sums["lm_loss_sum"].detach())
-        stats["mtp_loss_sum"] += float(sums["mtp_loss_sum"].detach())
-    grads = {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
+    grads, stats = single_process_step(model, batches, norm)
     return grads, stats
 
 
