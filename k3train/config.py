@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -23,6 +24,24 @@ import yaml
 
 class ConfigError(ValueError):
     """A bad configuration value; the message names the key and, when known, the file."""
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+WANDB_MODES = ("online", "offline", "disabled")
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+def parse_split(split: str, where: str = "") -> tuple[float, float, float]:
+    """``data.split`` -> its three weights (train, valid, test): exactly three finite non-negative numbers with a
+    positive sum, e.g. ``"98,2,0"``. Megatron's own parser picks numbers out with a regex and accepts anything
+    (``"98-2"`` would be ``[98, 2, 0]``), so this is the one rule both the config and the dataset builder use."""
+    parts = [x.strip() for x in str(split).split(",")]
+    # plain decimals only ("1e2" would be read by Megatron's regex as two numbers)
+    w = tuple(float(x) for x in parts) if all(re.fullmatch(r"\d+\.?\d*|\.\d+", x) for x in parts) else ()
+    if len(w) != 3 or sum(w) <= 0:
+        raise ConfigError(f"data.split: cannot parse {split!r}: expected 3 comma-separated non-negative decimal "
+                          f"weights (train,valid,test) with a positive sum, e.g. '98,2,0'{where}")
+    return w  # type: ignore[return-value]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -119,6 +138,9 @@ class ParallelConfig:
     recompute: bool = False  # full activation recomputation per stage
     zero: int = 1  # 0: plain DP all-reduce, 1: ZeRO-1 optimizer sharding, 2: + gradient sharding
     backend: str = "auto"  # "auto" (nccl if CUDA else gloo) | "nccl" | "gloo"
+    # seconds a collective / p2p may wait for its peers before this rank fails with a one-line error naming it
+    # (a dead or stuck rank never hangs the job); applied to every process group. 0 = by backend: 300 gloo, 600 nccl
+    collective_timeout_s: float = 0.0
 
 
 @dataclass
@@ -133,6 +155,10 @@ class TrainConfig:
     grad_clip: float = 1.0
     dtype: str = "float32"  # "float32" | "bfloat16" (parameters stay fp32 masters)
     device: str = "auto"  # "auto" | "cpu" | "cuda"
+    # a step with a non-finite loss or gradient is skipped (no update); this many in a row stop the run (exit 3)
+    max_skipped_steps: int = 5
+    eval_interval: int = 0  # validation loss every N steps and at the end of training; 0 = never
+    eval_iters: int = 10  # global batches of the data's valid split per evaluation (the same ones every time)
     # derived
     grad_accum_steps: int = field(default=0, metadata={"derived": True})
 
@@ -183,6 +209,14 @@ class CheckpointConfig:
     dir: str = ""  # default: <out_dir>/checkpoints
     keep: int = 2
     save_final: bool = True
+    # a start that would overwrite or be shadowed by another run's data (resume=none into a used out_dir, or
+    # resume=PATH older than checkpoints beside it) is refused; true MOVES that data into previous-N/ instead
+    overwrite: bool = False
+    async_save: bool = False  # write checkpoints in a background thread (DCP async_save); training goes on
+    # on SIGTERM/SIGINT every rank stops at the same step boundary and saves it; if that save has not finished
+    # this many seconds after the signal, the rank exits and the last complete checkpoint stays. Keep it under
+    # the scheduler's grace period and torchrun's --shutdown-timeout (30 s by default), after which come SIGKILLs
+    preempt_timeout_s: float = 25.0
 
 
 SECTIONS: dict[str, type] = {
@@ -206,16 +240,28 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     source: str = field(default="<defaults>", metadata={"derived": True})
+    # "section.key" -> where its value was set ("in FILE:LINE" / "from the command line: --k=v"), for messages
+    origins: dict[str, str] = field(default_factory=dict, metadata={"derived": True}, repr=False, compare=False)
+
+    def origin(self, *keys: str) -> str:
+        """Where the values of ``keys`` came from, for an error message: the file and line, the command-line
+        argument, or the default -- so a bad override is never blamed on the file."""
+        found = list(dict.fromkeys(self.origins[k] for k in keys if k in self.origins))
+        cli = [o for o in found if o.startswith("from the command line")]
+        found = cli or found  # several keys involved: the command line changed what the file had
+        if found:
+            return "; ".join(found)
+        return f"default value; not set in {self.source}" if all("." in k for k in keys) else f"in {self.source}"
 
     # ----------------------------------------------------------------------------------------------------------
     def validate(self, world_size: int | None = None) -> "Config":
         """Check consistency and compute derived fields. ``world_size`` (when given) must match the layout."""
         m, p, t, o = self.model, self.parallel, self.train, self.optim
-        where = f" (in {self.source})"
 
-        def need(cond: bool, key: str, msg: str) -> None:
+        def need(cond: bool, key: str, msg: str, *src: str) -> None:
+            """Raise for ``key`` unless ``cond``; the message names where ``src`` (default: ``key``) was set."""
             if not cond:
-                raise ConfigError(f"{key}: {msg}{where}")
+                raise ConfigError(f"{key}: {msg} ({self.origin(*(src or (key,)))})")
 
         for sec_name in SECTIONS:
             sec = getattr(self, sec_name)
@@ -255,13 +301,31 @@ class Config:
         need(not m.tie_word_embeddings, "model.tie_word_embeddings", "true is not supported (K3 unties them)")
         need(m.attn_res_block_size >= 1, "model.attn_res_block_size", "must be >= 1")
         need(m.num_nextn_predict_layers in (0, 1), "model.num_nextn_predict_layers", "0 or 1 MTP layer")
-        if m.q_lora_rank < 0 or m.kv_lora_rank <= 0:
-            need(False, "model.kv_lora_rank", "must be > 0 (and q_lora_rank >= 0)")
+        need(m.kv_lora_rank > 0, "model.kv_lora_rank", f"must be > 0, got {m.kv_lora_rank}")
         need(m.vocab_size > max(0, 1), "model.vocab_size", "must be > 1")
         m.full_attn_layers = [i for i in range(1, m.num_hidden_layers + 1)
                               if i % m.full_attn_interval == 0 or i == m.num_hidden_layers]
         m.kda_layers = [i for i in range(1, m.num_hidden_layers + 1) if i not in set(m.full_attn_layers)]
         m.num_attn_res_blocks = math.ceil(m.num_hidden_layers / m.attn_res_block_size)
+        # model sizes: every size a layer that exists will use must be positive (a 0 builds empty tensors and
+        # fails deep in a forward, or divides by zero); sizes of layer kinds the plan has none of may be 0
+        n_kda = len(m.kda_layers)
+        has_moe = m.num_experts > 0 and m.first_k_dense_replace < m.num_hidden_layers
+        sizes = ["num_attention_heads", "qk_nope_head_dim", "v_head_dim"]  # the last layer is always Gated MLA
+        sizes += ["kda_num_heads", "kda_head_dim", "kda_decay_rank", "short_conv_kernel_size"] if n_kda else []
+        sizes += ["intermediate_size"] if m.first_k_dense_replace > 0 or m.num_experts == 0 else []
+        sizes += ["moe_intermediate_size"] if has_moe else []
+        sizes += ["shared_expert_intermediate_size"] if has_moe and m.num_shared_experts > 0 else []
+        sizes += ["qb_bins"] if has_moe and m.router_balance == "qb" and m.qb_estimator == "histogram" else []
+        for k in sizes:
+            need(getattr(m, k) >= 1, f"model.{k}", f"must be >= 1, got {getattr(m, k)}")
+        for k in ("q_lora_rank", "qk_rope_head_dim", "num_experts", "num_shared_experts"):
+            need(getattr(m, k) >= 0, f"model.{k}", f"must be >= 0, got {getattr(m, k)}")
+        for k in ("rms_norm_eps", "init_std", "activation_situ_beta", "activation_situ_linear_beta",
+                  "routed_scaling_factor"):
+            need(getattr(m, k) > 0, f"model.{k}", f"must be > 0, got {getattr(m, k)}")
+        need(m.mtp_loss_weight >= 0, "model.mtp_loss_weight", f"must be >= 0, got {m.mtp_loss_weight}")
+        need(m.sign_update_rate >= 0, "model.sign_update_rate", f"must be >= 0, got {m.sign_update_rate}")
 
         # parallel
         for k in ("pp", "vpp", "cp", "ep"):
@@ -285,7 +349,7 @@ class Config:
         if world_size is not None:
             denom = p.pp * p.cp
             need(world_size % denom == 0, "parallel",
-                 f"world size {world_size} is not divisible by pp*cp = {denom}")
+                 f"world size {world_size} is not divisible by pp*cp = {denom}", "parallel.pp", "parallel.cp")
             auto_dp = world_size // denom
             if p.dp == -1:
                 p.dp = auto_dp
@@ -299,7 +363,12 @@ class Config:
                  f"num_experts={m.num_experts} not divisible by ep={p.ep}")
 
         # train
+        need(t.steps >= 1, "train.steps", f"must be >= 1, got {t.steps}")
+        need(t.stop_at_step >= 0, "train.stop_at_step", f"must be >= 0 (0 = run to train.steps), got {t.stop_at_step}")
+        need(t.global_batch_size >= 1, "train.global_batch_size", f"must be >= 1, got {t.global_batch_size}")
         need(t.seq_len >= 1, "train.seq_len", "must be >= 1")
+        need(t.seq_len <= m.max_position_embeddings, "train.seq_len",
+             f"seq_len={t.seq_len} exceeds model.max_position_embeddings={m.max_position_embeddings}")
         need(t.seq_len % p.cp == 0, "train.seq_len", f"seq_len={t.seq_len} not divisible by cp={p.cp}")
         need(t.micro_batch_size >= 1, "train.micro_batch_size", "must be >= 1")
         need(t.dtype in ("float32", "bfloat16"), "train.dtype", "must be 'float32' or 'bfloat16'")
@@ -307,13 +376,24 @@ class Config:
         if dp is not None:
             per_step = t.micro_batch_size * dp
             need(t.global_batch_size % per_step == 0, "train.global_batch_size",
-                 f"global_batch_size={t.global_batch_size} not divisible by micro_batch_size*dp = {per_step}")
+                 f"global_batch_size={t.global_batch_size} not divisible by micro_batch_size*dp = {per_step}",
+                 "train.global_batch_size", "train.micro_batch_size", "parallel.dp")
             t.grad_accum_steps = t.global_batch_size // per_step
             if p.pp > 1 and p.vpp > 1:
                 need(t.grad_accum_steps % p.pp == 0, "train.global_batch_size",
                      f"interleaved pipeline needs micro-batches per step ({t.grad_accum_steps}) to be a multiple"
                      f" of pp={p.pp}")
         need(t.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping)")
+
+        # non-finite steps and validation loss (k3train/nonfinite.py, k3train/evaluate.py)
+        need(t.max_skipped_steps >= 1, "train.max_skipped_steps",
+             f"must be >= 1 (consecutive non-finite steps before the run stops), got {t.max_skipped_steps}")
+        if t.eval_interval > 0:
+            need(t.eval_iters >= 1, "train.eval_iters", f"must be >= 1 when train.eval_interval > 0, got {t.eval_iters}")
+            need(parse_split(self.data.split, f" ({self.origin('data.split')})")[1] > 0, "train.eval_interval",
+                 f"validation every {t.eval_interval} steps needs a valid split, but data.split={self.data.split!r} "
+                 "gives it weight 0 (e.g. data.split='98,2,0', or train.eval_interval=0)",
+                 "train.eval_interval", "data.split")
 
         # optim
         need(o.name in ("muon", "adamw"), "optim.name", f"must be 'muon' or 'adamw', got {o.name!r}")
@@ -322,6 +402,34 @@ class Config:
         need(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
         need(o.ns_dtype in ("float32", "bfloat16"), "optim.ns_dtype", "must be 'float32' or 'bfloat16'")
         need(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+        for k in ("adam_beta1", "adam_beta2", "muon_momentum"):
+            need(0 <= getattr(o, k) < 1, f"optim.{k}", f"must be in [0, 1), got {getattr(o, k)}")
+        need(o.adam_eps > 0, "optim.adam_eps", f"must be > 0, got {o.adam_eps}")
+        need(o.weight_decay >= 0, "optim.weight_decay", f"must be >= 0, got {o.weight_decay}")
+        need(o.ns_steps >= 1, "optim.ns_steps", f"must be >= 1, got {o.ns_steps}")
+        need(0 <= o.wsd_decay_fraction <= 1, "optim.wsd_decay_fraction", "must be in [0, 1]")
+        need(o.qk_clip_threshold >= 0, "optim.qk_clip_threshold", "must be >= 0 (0 disables QK-Clip)")
+
+        # data: the split string (one parser, shared with the dataset builder)
+        parse_split(self.data.split, f" ({self.origin('data.split')})")
+
+        # logging
+        lg = self.logging
+        need(lg.log_interval >= 1, "logging.log_interval", f"must be >= 1 (print every N steps), got {lg.log_interval}")
+        need(lg.level in LOG_LEVELS, "logging.level", f"must be one of {', '.join(LOG_LEVELS)}, got {lg.level!r}")
+        need(lg.wandb_mode in WANDB_MODES, "logging.wandb_mode",
+             f"must be one of {', '.join(WANDB_MODES)}, got {lg.wandb_mode!r}")
+        need(lg.peak_flops >= 0, "logging.peak_flops", "must be >= 0 (0 = measure at start-up)")
+
+        # fault tolerance: collective timeout, preemption deadline
+        need(math.isfinite(p.collective_timeout_s) and p.collective_timeout_s >= 0, "parallel.collective_timeout_s",
+             f"must be >= 0 seconds (0 = backend default), got {p.collective_timeout_s}")
+        need(math.isfinite(self.checkpoint.preempt_timeout_s) and self.checkpoint.preempt_timeout_s > 0,
+             "checkpoint.preempt_timeout_s", f"must be > 0 seconds, got {self.checkpoint.preempt_timeout_s}")
+
+        # checkpoint safety: overwrite only names what a start that is not a plain continuation may move aside
+        need(not (self.checkpoint.overwrite and self.checkpoint.resume == "auto"), "checkpoint.overwrite",
+             "true needs checkpoint.resume=none (a new run) or a checkpoint path; resume=auto continues the run")
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -348,119 +456,209 @@ class Config:
 # --------------------------------------------------------------------------------------------------------------
 # Loading
 # --------------------------------------------------------------------------------------------------------------
+# A config file must set at least these model keys. Without them the dataclass defaults -- the full-size Kimi K3,
+# 2.78T parameters -- would silently fill in the model's scale (an empty YAML used to build the 93-layer model).
+REQUIRED_MODEL_KEYS = ("hidden_size", "num_hidden_layers", "vocab_size")
+_TRUE, _FALSE = ("true", "yes", "on"), ("false", "no", "off")
+_YAML_NULL = "tag:yaml.org,2002:null"
+
+
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+def _allows_none(tp: Any) -> bool:
+    return typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp)
+
+
+def _unquote(s: str) -> str:
+    return s[1:-1] if len(s) >= 2 and s[0] == s[-1] and s[0] in "'\"" else s
+
+
 def _coerce(value: Any, tp: Any, key: str, where: str) -> Any:
-    """Check ``value`` against the annotation ``tp``; ints are accepted for floats. Strings from the command
-    line were already parsed with YAML rules."""
+    """A value YAML already constructed (inside a mapping-typed field) -> annotation ``tp``, scalars by their text."""
     origin = typing.get_origin(tp)
+    if isinstance(value, dict) and origin is dict:
+        k_tp, v_tp = typing.get_args(tp)
+        return {_coerce(k, k_tp, key, where): _coerce(v, v_tp, f"{key}.{k}", where) for k, v in value.items()}
+    if isinstance(value, list) and origin is list:
+        (item_tp,) = typing.get_args(tp)
+        return [_coerce(v, item_tp, f"{key}[{i}]", where) for i, v in enumerate(value)]
+    if value is None and _allows_none(tp):
+        return None
+    if isinstance(value, (str, int, float, bool)):
+        return _parse_text(str(value).lower() if isinstance(value, bool) else str(value), tp, key, where)
+    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}{where}")
+
+
+def _parse_text(text: str, tp: Any, key: str, where: str) -> Any:
+    """Parse a value written as text -- a command-line override, or a scalar of the YAML file -- by the field's
+    DECLARED type, never by what the text looks like: a ``str`` field keeps the text exactly as written
+    (``--train.out_dir=0123`` stays ``"0123"``; YAML rules would make it the number 83), ``int`` is decimal
+    (leading zeros allowed), ``float`` must be finite, ``bool`` is true/false/yes/no/on/off, a ``list`` is
+    ``[a,b,...]`` or ``a,b,...`` with each item parsed by the item type."""
+    origin = typing.get_origin(tp)
+    s = text.strip()
     if origin is list:
         (item_tp,) = typing.get_args(tp)
-        if not isinstance(value, list):
-            raise ConfigError(f"{key}: expected a list, got {value!r}{where}")
-        return [_coerce(v, item_tp, f"{key}[{i}]", where) for i, v in enumerate(value)]
+        inner = s[1:-1] if s.startswith("[") and s.endswith("]") else s
+        items = [x.strip() for x in inner.split(",")] if inner.strip() else []
+        return [_parse_text(_unquote(x), item_tp, f"{key}[{i}]", where) for i, x in enumerate(items)]
     if origin in (typing.Union, types.UnionType):
-        for arg in typing.get_args(tp):
-            try:
-                return _coerce(value, arg, key, where)
-            except ConfigError:
-                pass
-        raise ConfigError(f"{key}: {value!r} does not match {tp}{where}")
-    if tp is type(None):
-        if value is None:
+        args = typing.get_args(tp)
+        if type(None) in args and s in ("null", "~"):
             return None
-        raise ConfigError(f"{key}: expected null{where}")
+        for arg in args:
+            if arg is not type(None):
+                try:
+                    return _parse_text(text, arg, key, where)
+                except ConfigError:
+                    pass
+        raise ConfigError(f"{key}: {text!r} does not match {tp}{where}")
+    if tp is str:
+        return text
     if tp is bool:
-        if isinstance(value, bool):
-            return value
+        if s.lower() in _TRUE + _FALSE:
+            return s.lower() in _TRUE
     elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
+        try:
+            return int(s)
+        except ValueError:
+            pass
     elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return str(value)
-    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}{where}")
+        try:
+            v = float(s)
+        except ValueError:
+            v = math.nan
+        if math.isfinite(v):
+            return v
+    elif origin is dict:
+        try:
+            return _coerce(yaml.safe_load(text), tp, key, where)
+        except yaml.YAMLError:
+            pass
+    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {text!r}{where}")
 
 
-def _apply(cfg: Config, data: dict[str, Any], where: str) -> None:
-    if not isinstance(data, dict):
-        raise ConfigError(f"config must be a mapping of sections{where}")
-    for sec_name, values in data.items():
-        if sec_name == "derived":  # written by Config.save for reference; recomputed on load
+def _from_node(node: yaml.Node, tp: Any, key: str, where: str) -> Any:
+    """A YAML node of the config file -> a value of annotation ``tp`` (scalars through :func:`_parse_text`)."""
+    if isinstance(node, yaml.ScalarNode):
+        if node.tag == _YAML_NULL and node.style is None:
+            if _allows_none(tp):
+                return None
+            raise ConfigError(f"{key}: expected {_type_name(tp)}, got an empty value{where}")
+        return _parse_text(node.value, tp, key, where)
+    if isinstance(node, yaml.SequenceNode) and typing.get_origin(tp) is list:
+        (item_tp,) = typing.get_args(tp)
+        return [_from_node(n, item_tp, f"{key}[{i}]", where) for i, n in enumerate(node.value)]
+    if isinstance(node, yaml.MappingNode) and typing.get_origin(tp) is dict:
+        return _coerce(yaml.SafeLoader("").construct_document(node), tp, key, where)
+    what = "a list" if isinstance(node, yaml.SequenceNode) else "a mapping"
+    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {what}{where}")
+
+
+def _set(cfg: Config, sec_name: str, key: str, parse: Any, origin: str) -> None:
+    """Set ``sec_name.key`` to ``parse(annotation)`` and remember where the value came from."""
+    full = f"{sec_name}.{key}"
+    if sec_name not in SECTIONS:
+        raise ConfigError(f"unknown section {sec_name!r} in {full!r} (known: {', '.join(SECTIONS)}) ({origin})")
+    sec = getattr(cfg, sec_name)
+    f = {f.name: f for f in dataclasses.fields(sec)}.get(key)
+    if f is None or f.metadata.get("derived"):
+        raise ConfigError(f"unknown key {full!r} ({origin})")
+    setattr(sec, key, parse(typing.get_type_hints(type(sec))[key]))
+    cfg.origins[full] = origin
+
+
+def _compose(p: Path) -> yaml.Node | None:
+    try:
+        return yaml.compose(p.read_text(), Loader=yaml.SafeLoader)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        what = " ".join(x for x in (e.context, e.problem) if x) or str(e).splitlines()[0]
+        at = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(p)
+        raise ConfigError(f"malformed YAML at {at}: {what}") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ConfigError(f"malformed YAML in {p}: {str(e).splitlines()[0]}") from None
+
+
+def _load_file(cfg: Config, p: Path) -> None:
+    root = _compose(p)
+    model_rule = (f"a config must have a 'model' section setting {', '.join(REQUIRED_MODEL_KEYS)} (the defaults "
+                  "are the full-size 2.78T Kimi K3, never filled in silently: configs/k3.yaml spells it out)")
+    if root is None or (isinstance(root, yaml.ScalarNode) and root.tag == _YAML_NULL):
+        raise ConfigError(f"model: {p} is empty; {model_rule}")
+    if not isinstance(root, yaml.MappingNode):
+        raise ConfigError(f"config must be a mapping of sections (model, train, ...) (in {p}:1)")
+    seen: set[str] = set()
+    model_keys: set[str] = set()
+    for k_node, v_node in root.value:
+        name, line = str(k_node.value), k_node.start_mark.line + 1
+        if name in seen:
+            raise ConfigError(f"section {name!r} appears twice (in {p}:{line})")
+        seen.add(name)
+        if name == "derived":  # written by Config.save for reference; recomputed on load
             continue
-        if sec_name not in SECTIONS:
-            raise ConfigError(f"unknown section {sec_name!r} (known: {', '.join(SECTIONS)}){where}")
-        if values is None:
+        if name not in SECTIONS:
+            raise ConfigError(f"unknown section {name!r} (known: {', '.join(SECTIONS)}) (in {p}:{line})")
+        if isinstance(v_node, yaml.ScalarNode) and v_node.tag == _YAML_NULL:
             continue
-        if not isinstance(values, dict):
-            raise ConfigError(f"{sec_name}: expected a mapping{where}")
-        sec = getattr(cfg, sec_name)
-        hints = typing.get_type_hints(type(sec))
-        fields = {f.name: f for f in dataclasses.fields(sec)}
-        for key, value in values.items():
-            full = f"{sec_name}.{key}"
-            f = fields.get(key)
-            if f is None or f.metadata.get("derived"):
-                raise ConfigError(f"unknown key {full!r}{where}")
-            setattr(sec, key, _coerce(value, hints[key], full, where))
+        if not isinstance(v_node, yaml.MappingNode):
+            raise ConfigError(f"{name}: expected a mapping of keys (in {p}:{line})")
+        keys: set[str] = set()
+        for kk, vv in v_node.value:
+            key, at = str(kk.value), f"in {p}:{kk.start_mark.line + 1}"
+            if key in keys:
+                raise ConfigError(f"{name}.{key}: set twice ({at})")
+            keys.add(key)
+            _set(cfg, name, key, lambda tp, vv=vv, full=f"{name}.{key}", at=at: _from_node(vv, tp, full, f" ({at})"),
+                 at)
+        if name == "model":
+            model_keys = keys
+    missing = [k for k in REQUIRED_MODEL_KEYS if k not in model_keys]
+    if missing:
+        raise ConfigError(f"model: {p} does not set model.{', model.'.join(missing)}; {model_rule}")
 
 
-def parse_overrides(args: list[str]) -> dict[str, dict[str, Any]]:
-    """``["--model.hidden_size=64", "--train.steps", "5"]`` -> nested dict. Values use YAML scalar rules."""
-    out: dict[str, dict[str, Any]] = {}
+def parse_overrides(args: list[str]) -> list[tuple[str, str, str]]:
+    """``["--model.hidden_size=64", "--train.steps", "5"]`` -> ``[(key, value text, argument as written)]``.
+    Values stay text: :func:`load_config` parses each by its field's declared type."""
+    out: list[tuple[str, str, str]] = []
     i = 0
     while i < len(args):
         a = args[i]
         if not a.startswith("--") or "." not in a.split("=", 1)[0]:
-            raise ConfigError(f"bad override {a!r}: expected --section.key=value")
+            raise ConfigError(f"bad override {a!r} on the command line: expected --section.key=value")
         if "=" in a:
             k, v = a[2:].split("=", 1)
+            written = a
         else:
             if i + 1 >= len(args):
-                raise ConfigError(f"override {a!r} has no value")
+                raise ConfigError(f"override {a!r} on the command line has no value")
             k, v = a[2:], args[i + 1]
+            written = f"{a} {v}"
             i += 1
-        sec, _, key = k.partition(".")
-        try:
-            parsed = yaml.safe_load(v) if v != "" else ""
-        except yaml.YAMLError:
-            parsed = v
-        if isinstance(parsed, str):
-            try:
-                parsed = float(parsed)  # "1e-3": YAML 1.1 would keep it a string
-            except ValueError:
-                pass
-        out.setdefault(sec, {})[key] = parsed
+        out.append((k, v, written))
         i += 1
     return out
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None,
                 world_size: int | None = None) -> Config:
-    """Load a YAML config, apply command-line overrides and validate. Raises :class:`ConfigError`."""
+    """Load a YAML config, apply command-line overrides and validate. Raises :class:`ConfigError`.
+
+    ``path=None`` starts from the dataclass defaults (for programmatic configs built from overrides); a run
+    from the command line always names a file (:func:`k3train.preflight.validate_run`)."""
     cfg = Config()
     if path is not None:
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
-        try:
-            data = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as e:
-            raise ConfigError(f"malformed YAML in {p}: {str(e).splitlines()[0]}") from None
-        _apply(cfg, data or {}, f" (in {p})")
+        _load_file(cfg, p)
         cfg.source = str(p)
-    if overrides:
-        _apply(cfg, parse_overrides(overrides), " (command-line override)")
+    for full, text, written in parse_overrides(overrides or []):
+        sec, _, key = full.partition(".")
+        origin = f"from the command line: {written}"
+        _set(cfg, sec, key, lambda tp, text=text, full=full, origin=origin: _parse_text(text, tp, full, f" ({origin})"),
+             origin)
     return cfg.validate(world_size)

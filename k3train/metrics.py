@@ -6,6 +6,7 @@ tokens_per_s, step_time_s, mfu, mem_gib`` plus whatever the parallel runtimes ad
 from __future__ import annotations
 
 import json
+import math
 import logging
 import os
 import resource
@@ -57,13 +58,11 @@ class MetricsLogger:
         self.tty = sys.stdout.isatty()
         if not enabled:
             return
-        kept: list[str] = []
-        if resume_step is not None and self.path.is_file():
-            kept = [ln for ln in self.path.read_text().splitlines()
-                    if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
-        self._f = open(self.path, "w")
-        for ln in kept:
-            self._f.write(ln + "\n")
+        if self.path.is_file() and self.path.stat().st_size:
+            if resume_step is None:  # resume_preflight refuses such a start; overwrite=true moves the file aside
+                raise RuntimeError(f"{self.path} holds another run's records: a new run never truncates them")
+            self._keep_until(resume_step)
+        self._f = open(self.path, "a")
         if wandb_cfg is not None and wandb_cfg.wandb:
             mode = os.environ.get("WANDB_MODE", wandb_cfg.wandb_mode)
             if mode != "disabled":
@@ -72,10 +71,34 @@ class MetricsLogger:
                 self.wandb = wandb.init(project=wandb_cfg.wandb_project, mode=mode, dir=str(out_dir),
                                         config=run_config, resume="allow")
 
+    def _keep_until(self, resume_step: int) -> None:
+        """Drop the records after ``resume_step`` (logged after the checkpoint by a run that then crashed, and
+        a torn last line), replacing the file atomically: a crash here leaves the old file, never a cut one."""
+        kept, dropped = [], 0
+        for ln in self.path.read_text().splitlines():
+            try:
+                ok = bool(ln.strip()) and json.loads(ln).get("step", 0) <= resume_step
+            except ValueError:
+                ok = False
+            if ok:
+                kept.append(ln)
+            elif ln.strip():
+                dropped += 1
+        if dropped:
+            log.info("metrics.jsonl: dropped %d record(s) after the resumed step %d", dropped, resume_step)
+        tmp = self.path.with_name(self.path.name + f".tmp{os.getpid()}")
+        with open(tmp, "w") as f:
+            f.writelines(ln + "\n" for ln in kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
     def log(self, rec: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        self._f.write(json.dumps(rec) + "\n")
+        # strict JSON: a skipped step's NaN/inf loss is written as null (json.dumps would write NaN)
+        strict = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in rec.items()}
+        self._f.write(json.dumps(strict, allow_nan=False) + "\n")
         self._f.flush()
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in rec.items() if isinstance(v, (int, float))}, step=rec["step"])
@@ -93,6 +116,10 @@ class MetricsLogger:
         if "ep_load_max_over_mean_before" in rec:
             line += (f" | ep load {rec['ep_load_max_over_mean_before']:.2f}->"
                      f"{rec['ep_load_max_over_mean_after']:.2f}")
+        if "val_loss" in rec:
+            line += f" | val_loss {rec['val_loss']:.4f}"
+        if rec.get("skipped"):
+            line += " | SKIPPED (non-finite)"
         print(line, flush=True)
 
     def close(self) -> None:

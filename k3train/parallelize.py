@@ -95,6 +95,19 @@ class ParallelModel:
                       "ep_replicas": float(e.get("moonep/replicas", 0.0))}
         return worst, totals
 
+    def discard_step_statistics(self) -> None:
+        """Drop what forwards accumulated since the last :meth:`sync_router_balance` without using it: routers'
+        balancing statistics (a skipped non-finite step must not move the biases) and MoonEP dispatch metrics
+        (an evaluation's must not count in the next step). No communication."""
+        from k3train.model.moe import Router
+        from moonep import collect_moonep_metrics
+
+        for mod in self.modules:
+            for m in mod.modules():
+                if isinstance(m, Router):
+                    m.reset_balance_state()
+        collect_moonep_metrics(self.modules)
+
     # checkpoints: full-model FQNs; routed-expert shards as DTensors over the EP mesh
     def state_dict(self) -> dict[str, Any]:
         if self.dims.ep > 1:

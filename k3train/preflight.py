@@ -1,18 +1,131 @@
-"""Checks that run before any process group, model or training step exists, so bad input fails in one line.
+"""Every check that runs before any process group, model or training step exists, so bad input fails in one line.
 
-Covers what ``Config.validate`` cannot see from the config alone: the dataset files (missing, truncated, index
-not matching the data, token ids beyond the vocabulary), the tokenizer against the model's vocabulary, the
-pipeline partition and whether the schedule can run with this many micro-batches.
+:func:`validate_run` is the ONE entry every command that takes a run config goes through (``k3train.train``
+and its ``--check``, ``tools/count_params.py``, ``tools/compare_optimizers.py``, ``tools/bench_optim.py``):
+it loads the YAML + overrides (:func:`k3train.config.load_config`: keys, types, values, the layout against the
+world size) and then runs :func:`preflight` for what the config alone cannot show:
+
+* the machine: ``train.device=cuda`` / ``parallel.backend=nccl`` without CUDA, more local ranks than GPUs;
+* wandb: ``online`` (``logging.wandb_mode`` or ``WANDB_MODE``) without credentials falls back to ``offline``
+  with one warning -- a run is never lost to its logger, and ``wandb sync <out_dir>/wandb`` uploads later;
+* the data: tokenizer file, dataset files (missing, truncated, index not matching the data, token ids beyond
+  the vocabulary), the tokenizer recorded in ``PREFIX.meta.json`` against ``data.tokenizer``, and every split
+  the run READS holding at least one ``seq_len + 1``-token sample. The train split is always read; the valid
+  split only when ``train.eval_interval > 0``; the test split never (a split nobody reads is not checked and
+  not built, so a tiny one cannot fail a run);
+* the pipeline partition and whether the schedule can run with this many micro-batches.
+
+Bad input raises ConfigError, DataError or ParallelConfigError (:func:`is_bad_input`), each message one line
+naming the key; anything else is a bug, not bad input. Config errors are found before torch, megatron or the data
+package is imported, so they return in a fraction of a second.
 """
 from __future__ import annotations
 
+import logging
+import netrc
+import os
+import sys
 from pathlib import Path
+from urllib.parse import urlparse
 
-from k3train.config import Config, ConfigError
+from k3train.config import Config, ConfigError, load_config
+
+log = logging.getLogger(__name__)
+
+# the error classes bad input raises (module, class); the entry points report exactly these (one line, exit 2)
+_BAD_INPUT_CLASSES = (("k3train.config", "ConfigError"), ("k3train.data.corpus", "DataError"),
+                      ("parallel.dims", "ParallelConfigError"))
 
 
-def preflight(cfg: Config) -> None:
-    from k3train.data import DataError, load_tokenizer, validate_indexed_dataset
+def is_bad_input(e: BaseException) -> bool:
+    """Whether ``e`` is one of the bad-input errors. Looked up through ``sys.modules``: a class whose module
+    was never imported cannot have been raised, and importing it here would cost seconds (torch)."""
+    return any(mod in sys.modules and isinstance(e, getattr(sys.modules[mod], name))
+               for mod, name in _BAD_INPUT_CLASSES)
+
+
+def validate_run(config_path: str | Path | None, overrides: list[str] | None = None, world_size: int | None = None,
+                 *, for_training: bool = True) -> Config:
+    """Load and check a run config for ``world_size`` processes. ``for_training=False`` (tools that only build
+    the model on the meta device) skips the machine and data checks, keeping config and layout ones."""
+    if config_path is None:
+        raise ConfigError("--config: no run config given (e.g. --config configs/tiny.yaml); a run always names "
+                          "its config file, the built-in defaults are the full-size 2.78T Kimi K3")
+    cfg = load_config(config_path, overrides, world_size)
+    if for_training:
+        preflight(cfg)
+    else:
+        check_layout(cfg)
+    return cfg
+
+
+def check_devices(cfg: Config) -> None:
+    import torch  # noqa: PLC0415 - the entry point imports it anyway; keep this module light for --help
+
+    t, p = cfg.train, cfg.parallel
+    cuda = torch.cuda.is_available()
+    if t.device == "cuda" and not cuda:
+        raise ConfigError(f"train.device: cuda requested but CUDA is not available here (torch.cuda.is_available() "
+                          f"is False); use train.device=cpu or auto ({cfg.origin('train.device')})")
+    on_gpu = t.device == "cuda" or (t.device == "auto" and cuda)
+    if p.backend == "nccl" and not on_gpu:
+        why = "CUDA is not available here" if not cuda else "train.device=cpu"
+        raise ConfigError(f"parallel.backend: nccl needs GPUs but {why}; use parallel.backend=gloo or auto "
+                          f"({cfg.origin('parallel.backend', 'train.device')})")
+    if on_gpu:
+        local_rank, n_gpu = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+        if local_rank >= n_gpu:
+            raise ConfigError(f"train.device: local rank {local_rank} needs GPU {local_rank} but {n_gpu} are "
+                              f"visible (one process per GPU: --nproc_per_node <= {n_gpu})")
+
+
+def wandb_has_credentials() -> bool:
+    """An API key in ``WANDB_API_KEY``, or a ``~/.netrc`` (``$NETRC``) entry for the wandb host
+    (``WANDB_BASE_URL``, default api.wandb.ai) -- where ``wandb login`` stores it."""
+    if os.environ.get("WANDB_API_KEY", "").strip():
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
+    path = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    try:
+        entry = netrc.netrc(str(path)).authenticators(host) if path.is_file() else None
+    except (OSError, netrc.NetrcParseError):
+        entry = None
+    return bool(entry and entry[2])
+
+
+def resolve_wandb_mode(cfg: Config) -> None:
+    """Settle the wandb mode before training (``WANDB_MODE`` wins over ``logging.wandb_mode``, as in wandb).
+    ``online`` without credentials would stop the run at ``wandb.init`` (or wait on a login prompt) after the
+    model is built: fall back to ``offline`` with one warning instead -- the metrics are still written
+    (``metrics.jsonl`` and the offline wandb files) and can be synced later. The resolved mode is put in the
+    config and in ``WANDB_MODE`` so the logger uses it."""
+    lg = cfg.logging
+    if not lg.wandb:
+        return
+    env = os.environ.get("WANDB_MODE", "").strip()
+    if env and env not in ("online", "offline", "disabled"):
+        raise ConfigError(f"WANDB_MODE={env!r} (environment): must be online, offline or disabled")
+    mode = env or lg.wandb_mode
+    if mode == "online" and not wandb_has_credentials():
+        src = ("WANDB_MODE=online (environment)" if env
+               else f"logging.wandb_mode=online ({cfg.origin('logging.wandb_mode')})")
+        log.warning("%s but no wandb credentials (no WANDB_API_KEY, no ~/.netrc entry for the wandb host): logging "
+                    "to wandb OFFLINE instead; upload later with `wandb sync %s/wandb`", src, cfg.train.out_dir)
+        mode = "offline"
+    lg.wandb_mode = mode
+    if env:
+        os.environ["WANDB_MODE"] = mode
+
+
+def splits_read(cfg: Config) -> list[str]:
+    """The dataset splits the run reads: train always, valid when ``train.eval_interval > 0``."""
+    return ["train"] + (["valid"] if cfg.train.eval_interval > 0 else [])
+
+
+def check_data(cfg: Config) -> None:
+    from k3train.data.corpus import DataError  # noqa: PLC0415
+    from k3train.data.dataset import check_metadata, check_split_sizes, validate_indexed_dataset  # noqa: PLC0415
+    from k3train.data.tokenizer import load_tokenizer  # noqa: PLC0415
 
     tok_path = Path(cfg.data.tokenizer)
     if not tok_path.is_file():
@@ -20,16 +133,35 @@ def preflight(cfg: Config) -> None:
     tok = load_tokenizer(tok_path)
     if tok.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
-                          f"{tok.vocab_size} ids ({tok_path})")
-    validate_indexed_dataset(cfg.data.path, vocab_size=cfg.model.vocab_size)
-    resume = cfg.checkpoint.resume
-    if resume not in ("auto", "none") and not (Path(resume) / "COMPLETE").is_file():
-        raise ConfigError(f"checkpoint.resume: {resume} is not a complete checkpoint directory (no COMPLETE marker)")
+                          f"{tok.vocab_size} ids ({tok_path}) ({cfg.origin('model.vocab_size')})")
+    try:
+        info = validate_indexed_dataset(cfg.data.path, vocab_size=cfg.model.vocab_size)
+    except DataError as e:  # the message names the file; name the key too
+        raise DataError(f"data.path: {e}") from None
+    check_metadata(cfg.data.path, tok)
+    check_split_sizes(info, cfg.data.split, cfg.train.seq_len, splits_read(cfg))
 
-    from parallel.pipeline.partition import build_partition
-    from parallel.pipeline.schedules import build_schedule, resolve_schedule
+
+def check_layout(cfg: Config) -> None:
+    from parallel.pipeline.partition import build_partition  # noqa: PLC0415
+    from parallel.pipeline.schedules import build_schedule, resolve_schedule  # noqa: PLC0415
 
     p = cfg.parallel
     build_partition(cfg.model, p, cfg.train.seq_len)
     if p.pp > 1 and cfg.train.grad_accum_steps:
         build_schedule(resolve_schedule(p.schedule, p.pp, p.vpp), p.pp, p.vpp, cfg.train.grad_accum_steps)
+
+
+def preflight(cfg: Config) -> None:
+    """Machine, logger, data and layout checks of a loaded config (see the module docstring)."""
+    check_devices(cfg)
+    resolve_wandb_mode(cfg)
+    check_data(cfg)
+    check_layout(cfg)
+    from k3train.nonfinite import check_injection  # noqa: PLC0415
+
+    check_injection(cfg)  # a malformed K3TRAIN_INJECT_NAN (test fault injection) is bad input too
+    from k3train.checkpoint.resume import resume_preflight  # noqa: PLC0415
+
+    resume_preflight(cfg)  # run directory, checkpoint to resume, run fingerprint (k3train/checkpoint/resume.py)
+

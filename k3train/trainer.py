@@ -4,14 +4,18 @@ One optimizer step:
   1. the loader yields this rank's micro-batches of the step's global batch (layout-independent) and the global
      token counts, so every micro-batch loss is normalised by the GLOBAL count (gradients are the global mean);
   2. the step runner (pipeline schedule, or a plain accumulation loop at pp = 1) runs forward + backward;
-  3. routers' Quantile-Balancing statistics are summed over every rank that routes the layer, biases updated
-     for the next step;
-  4. the optimizer reduces gradients (DP / ZeRO), clips by the global norm, steps (Muon + AdamW), QK-Clip;
-  5. rank 0 logs ``metrics.jsonl`` and a progress line; checkpoints every ``checkpoint.interval`` steps.
+  3. the optimizer reduces gradients (DP / ZeRO) and computes the global grad norm; the loss sums are
+     all-reduced. Both are global, so every rank takes the same branch: finite -> 4; otherwise the step is
+     skipped after a diagnostic re-run names the first non-finite module (k3train/nonfinite.py);
+  4. routers' Quantile-Balancing statistics are summed over every rank that routes the layer, biases updated
+     for the next step; the optimizer clips, steps (Muon + AdamW), QK-Clip;
+  5. every ``train.eval_interval`` steps and at the end: the validation loss (k3train/evaluate.py);
+  6. rank 0 logs ``metrics.jsonl`` and a progress line; checkpoints every ``checkpoint.interval`` steps.
 """
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -19,11 +23,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from k3train.checkpoint import CheckpointManager
+from k3train.checkpoint import CheckpointManager, checkpoint_root, prepare_run_dir, step_dir_name
+from k3train.checkpoint.fingerprint import run_fingerprint, schedule_record
 from k3train.checkpoint.rng import get_rng_state, seed_everything, set_rng_state
 from k3train.config import Config
 from k3train.dist_env import init_distributed, shutdown
+from k3train.evaluate import Evaluator
 from k3train.metrics import MetricsLogger, measure_peak_flops, memory_gib
+from k3train.nonfinite import NonFiniteGuard, step_is_finite
+from k3train.signals import StopRun, StopSignals, signal_name
 from k3train.parallelize import ParallelModel, parallelize
 from parallel.dims import ParallelDims
 from parallel.pipeline.loss_norm import LossNorm
@@ -46,16 +54,18 @@ def _setup_logging(rank: int, level: str) -> None:
 class Trainer:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        self.env = init_distributed(cfg.parallel.backend, cfg.train.device)
+        self.env = init_distributed(cfg.parallel.backend, cfg.train.device, cfg.parallel.collective_timeout_s)
         _setup_logging(self.env.rank, cfg.logging.level)
-        self.dims = ParallelDims.from_config(cfg.parallel, self.env.world_size, self.env.rank).build_groups()
+        self.dims = ParallelDims.from_config(cfg.parallel, self.env.world_size, self.env.rank).build_groups(
+            timeout_s=self.env.collective_timeout_s or None)  # every group gets parallel.collective_timeout_s
         log.info("layout: %s", self.dims.describe())
         # tensors for small collectives live where the backend wants them (gloo: CPU, nccl: the GPU)
         self._comm_device = self.env.device if self.env.backend == "nccl" else torch.device("cpu")
         self.out_dir = Path(cfg.train.out_dir)
-        if self.env.is_main:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            cfg.save(self.out_dir / "config.yaml")
+        if self.env.is_main:  # overwrite=true moves another run's data aside; stale .tmp_step_* dirs go
+            prepare_run_dir(cfg)
+        if dist.is_initialized():
+            dist.barrier()
         seed_everything(cfg.train.seed)
 
         self.pm: ParallelModel = parallelize(cfg, self.dims, self.env.device)
@@ -68,9 +78,18 @@ class Trainer:
         from k3train.data import GlobalBatchLoader
 
         self.loader = GlobalBatchLoader.from_dims(cfg, self.dims)
-        self.ckpt = CheckpointManager(cfg.checkpoint.dir or self.out_dir / "checkpoints", keep=cfg.checkpoint.keep)
+        self.evaluator = Evaluator(cfg, self.dims, self.pm, self._comm_device)  # builds the valid split if used
+        self.nonfinite = NonFiniteGuard(self.pm.model, self.pm.runner, self.env.rank, cfg.train.max_skipped_steps,
+                                        self._comm_device)
+        self.ckpt = CheckpointManager(checkpoint_root(cfg), keep=cfg.checkpoint.keep,
+                                      async_save=cfg.checkpoint.async_save)
+        self._ckpt_meta = {"fingerprint": run_fingerprint(cfg), "schedule": schedule_record(cfg)}
         self.step = 0
         resumed = self._maybe_resume()
+        if self.env.is_main:  # only now, with the start known to be good, replace the run's config.yaml
+            tmp = self.out_dir / f".config.yaml.tmp{os.getpid()}"
+            cfg.save(tmp)
+            os.replace(tmp, self.out_dir / "config.yaml")
         self.peak_flops = cfg.logging.peak_flops or measure_peak_flops(self.env.device)
         log.info("MFU denominator: %.1f GFLOP/s per rank (%s)", self.peak_flops / 1e9,
                  "configured" if cfg.logging.peak_flops else "measured fp32 matmul at start-up")
@@ -88,8 +107,18 @@ class Trainer:
         mode = self.cfg.checkpoint.resume
         if mode == "none":
             return False
-        path = self.ckpt.latest() if mode == "auto" else Path(mode)
+        # verify checksums (each rank a share of the files); fall back past damaged ones, moving them aside
+        candidates = self.ckpt.complete_checkpoints()[::-1] if mode == "auto" else [Path(mode)]
+        path, damaged = self.ckpt.select(candidates)
+        for bad, why in damaged:
+            if mode != "auto":
+                raise RuntimeError(f"checkpoint.resume: {bad} is damaged: {why}")
+            moved = self.ckpt.quarantine(bad)
+            log.warning("checkpoint %s is damaged (%s): moved to %s; %s", bad.name, why, moved.name,
+                        f"resuming from {path.name}" if path else "no older checkpoint verifies")
         if path is None:
+            if damaged:
+                raise RuntimeError(f"no checkpoint in {self.ckpt.root} verifies (damaged ones moved aside)")
             return False
         state = self._tensor_state()
         rank_state = self.ckpt.load(path, state)
@@ -103,8 +132,9 @@ class Trainer:
         return True
 
     def save_checkpoint(self) -> None:
+        self.nonfinite.assert_finite_state(self._tensor_state(), self.step)  # never a checkpoint with NaN/inf
         self.ckpt.save(self.step, self._tensor_state(), self._rank_state(),
-                       meta={"layout": self.dims.describe().split(";")[0]})
+                       meta={"layout": self.dims.describe().split(";")[0], **self._ckpt_meta})
 
     # ------------------------------------------------------------------------------------------------------
     def _all_reduce_sum(self, values: list[float]) -> list[float]:
@@ -130,18 +160,34 @@ class Trainer:
         mtp_w = cfg.model.mtp_loss_weight if cfg.model.num_nextn_predict_layers else 0.0
         # global loss-token counts: this rank's micro-batches summed over every rank holding other rows/segments
         norm = LossNorm.from_batches(micro_batches, mtp_w, group=self.dims.group("dp_cp"), device=self._comm_device)
+        self.nonfinite.begin_step(self.step + 1)
         self.optimizer.zero_grad()
         stats = self.pm.forward_backward(micro_batches, norm)
-        moe_worst, moe_totals = self.pm.sync_router_balance()
-        lr = self._lr_at(self.step, cfg.optim, cfg.train.steps)
-        ostats = self.optimizer.step(lr)
-        self.step += 1
+        grad_norm = self.optimizer.clip_grad_norm_()  # global (all ranks), so the decision below is too
         # every rank computes its share; the sum over ranks is the global quantity (loss sums live on last stages)
-        total_keys = sorted(moe_totals)
         sums = self._all_reduce_sum([stats.get("lm_loss_sum", 0.0), stats.get("mtp_loss_sum", 0.0),
                                      stats.get("p2p_bytes", 0.0), stats.get("p2p_bytes_hidden", 0.0),
-                                     stats.get("p2p_bytes_block_cache", 0.0), stats.get("p2p_bytes_grad", 0.0)]
-                                    + [moe_totals[k] for k in total_keys])
+                                     stats.get("p2p_bytes_block_cache", 0.0), stats.get("p2p_bytes_grad", 0.0)])
+        lr = self._lr_at(self.step, cfg.optim, cfg.train.steps)
+        report = None
+        if step_is_finite(grad_norm, sums[:2]):
+            moe_worst, moe_totals = self.pm.sync_router_balance()  # QB biases move only on an applied step
+            ostats = self.optimizer.step(lr)
+        else:  # skip: name the first non-finite module (a diagnostic re-run on every rank), change nothing
+            def rerun() -> None:
+                self.optimizer.zero_grad()
+                self.pm.forward_backward(micro_batches, norm)
+
+            report = self.nonfinite.diagnose(rerun)
+            self.optimizer.zero_grad()
+            self.pm.discard_step_statistics()
+            moe_worst, moe_totals = {}, {}
+            ostats = self.optimizer.skip_step()
+        self.step += 1
+        self.nonfinite.after_step(self.step, report is not None, f"loss {sums[0] / max(1, norm.lm_tokens):.4g} / "
+                                  f"grad norm {grad_norm:.4g}", report)
+        total_keys = sorted(moe_totals)
+        moe_sums = self._all_reduce_sum([moe_totals[k] for k in total_keys]) if total_keys else []
         dt = time.perf_counter() - t0
         tokens = cfg.train.global_batch_size * cfg.train.seq_len
         tps = tokens / dt
@@ -149,7 +195,7 @@ class Trainer:
             "step": self.step,
             "loss": sums[0] / max(1, norm.lm_tokens),
             "lr": lr,
-            "grad_norm": float(ostats.get("grad_norm", 0.0)),
+            "grad_norm": float(grad_norm),
             "tokens_per_s": tps,
             "step_time_s": dt,
             "mfu": self.pm.flops_per_token * tps / (self.peak_flops * self.env.world_size),
@@ -161,7 +207,9 @@ class Trainer:
             rec.update(p2p_bytes=int(sums[2]), p2p_bytes_hidden=int(sums[3]), p2p_bytes_block_cache=int(sums[4]),
                        p2p_bytes_grad=int(sums[5]))
         rec.update(self._reduce_over_pp(moe_worst, dist.ReduceOp.MAX))
-        rec.update({k: int(v) for k, v in zip(total_keys, sums[6:])})
+        rec.update({k: int(v) for k, v in zip(total_keys, moe_sums)})
+        if report is not None:
+            rec.update(nonfinite_module=report["module"], nonfinite_rank=report["rank"])
         # fixed keys with defaults: a stage without MLA layers reports no QK statistics of its own
         rec.update(self._reduce_over_pp({"qk_max": ostats.get("qk_max", 0.0), "skipped": ostats.get("skipped", 0.0)},
                                         dist.ReduceOp.MAX))
@@ -175,20 +223,52 @@ class Trainer:
             log.info("nothing to do: checkpoint is at step %d >= train.steps %d", self.step, total)
             return
         log.info("training steps %d..%d", self.step + 1, total)
+        # SIGTERM / SIGINT: stop at an agreed step boundary with a checkpoint (k3train/signals.py); close() uninstalls
+        self._stop_signals = StopSignals(self.env.rank, self._comm_device, cfg.checkpoint.preempt_timeout_s,
+                                         self._stop_deadline_line).install()
         interval = cfg.checkpoint.interval
         stop = min(total, cfg.train.stop_at_step) if cfg.train.stop_at_step > 0 else total
         while self.step < stop:
             rec = self.train_step()
-            if not torch.isfinite(torch.tensor(rec["loss"])):
-                raise FloatingPointError(f"loss is {rec['loss']} at step {rec['step']}; last good checkpoint kept")
+            if self.evaluator.due(self.step, total):
+                rec.update(self.evaluator.evaluate())
             self.metrics.log(rec)
-            if self.step % cfg.logging.log_interval == 0 or self.step == total:
+            if (self.step % cfg.logging.log_interval == 0 or self.step == total or "val_loss" in rec
+                    or rec.get("skipped")):
                 self.metrics.progress(rec, total)
+            self.nonfinite.raise_if_exhausted(self.step)  # TrainingStopped after max_skipped_steps in a row
+            signum = self._stop_signals.agree()  # every rank, every step: one MAX all-reduce of the signal flag
+            if signum:
+                self._stop_at_boundary(signum)
+            self.ckpt.poll()  # completes a background checkpoint once every rank's write is done (collective)
             if interval and self.step % interval == 0 and self.step < stop:
                 self.save_checkpoint()
         if cfg.checkpoint.save_final or stop < total:
             self.save_checkpoint()
+        self.ckpt.wait()
 
-    def close(self) -> None:
+    def _stop_at_boundary(self, signum: int) -> None:
+        """All ranks agreed to stop after this step: checkpoint it (before the stop deadline) and raise StopRun."""
+        self.save_checkpoint()
+        self.ckpt.wait()  # a background save completes before the stop deadline is disarmed
+        self._stop_signals.disarm()
+        raise StopRun(signum, self.step, step_dir_name(self.step))
+
+    def _stop_deadline_line(self, signum: int) -> str:
+        """Printed (rank 0) when checkpoint.preempt_timeout_s passed before the stop's checkpoint was written."""
+        last = self.ckpt.latest()
+        return (f"k3train: error: stopped by {signal_name(signum)}, but the checkpoint after step "
+                f"{self.step} was not written within checkpoint.preempt_timeout_s="
+                f"{self.cfg.checkpoint.preempt_timeout_s:g}s; the last complete checkpoint stays: "
+                f"{last.name if last else 'none'}")
+
+    def close(self, destroy_groups: bool = True) -> None:
+        """Flush metrics, restore signal handlers, tear down the process groups -- except after a collective
+        failure (``destroy_groups=False``): destroying a group whose peer died can abort or hang the process."""
+        if hasattr(self, "_stop_signals"):
+            self._stop_signals.uninstall()
+        if destroy_groups and hasattr(self, "ckpt"):  # a background checkpoint still writing completes first
+            self.ckpt.close()
         self.metrics.close() if hasattr(self, "metrics") else None
-        shutdown()
+        if destroy_groups:
+            shutdown()

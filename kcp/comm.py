@@ -7,6 +7,11 @@ the same code paths run in a single process.
 Byte accounting ("moved per rank", what a ring algorithm puts on each rank's link): an all-gather of a local
 buffer of ``b`` bytes moves ``(cp-1) * b``; a reduce-scatter of a full buffer of ``b`` bytes moves
 ``(cp-1)/cp * b``; a point-to-point send moves ``b``.
+
+Hang safety (every rank of the group joins the same collectives in the same order whatever its data): the
+autograd pieces here (:func:`all_gather_autograd`, :func:`tie`) let each KCP op make its exchange's backward run
+on every rank whenever the op's output is used; every decision to communicate is taken from facts all CP ranks
+share (the gathered layout, the shapes), never from local data.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 
 class CommStats:
@@ -85,3 +91,56 @@ def reduce_scatter_stacked(full: torch.Tensor, group: Any, stats: CommStats | No
     if stats is not None:
         stats.add(kind, (size - 1) * out.numel() * out.element_size())
     return out
+
+
+class _AllGatherStacked(torch.autograd.Function):
+    """``x [*s] -> [cp, *s]`` (all-gather forward); backward: each rank's slot summed over ranks (reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: Any, stats: CommStats | None, fwd_kind: str, bwd_kind: str) -> Tensor:
+        ctx.group, ctx.stats, ctx.bwd_kind = group, stats, bwd_kind
+        return all_gather_stacked(x, group, stats, fwd_kind)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        return reduce_scatter_stacked(grad, ctx.group, ctx.stats, ctx.bwd_kind), None, None, None, None
+
+
+def all_gather_autograd(x: Tensor, group: Any, stats: CommStats | None = None, fwd_kind: str = "",
+                        bwd_kind: str = "") -> Tensor:
+    """Differentiable :func:`all_gather_stacked`: ``[cp, *x.shape]`` forward, one reduce-scatter backward.
+
+    The backward is a collective: the caller must make the result reach its op's output on EVERY rank (slice a
+    part every rank uses, or :func:`tie` it in), or the ranks whose slice is empty would skip it and hang the rest.
+    """
+    return _AllGatherStacked.apply(x, group, stats, fwd_kind, bwd_kind)
+
+
+class _Tie(torch.autograd.Function):
+    """Identity on ``out``; the other inputs get zero gradients (see :func:`tie`)."""
+
+    @staticmethod
+    def forward(ctx: Any, out: Tensor, *deps: Tensor) -> Tensor:
+        ctx.dep_meta = [(d.shape, d.dtype, d.device) for d in deps]
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        zeros = tuple(torch.zeros(s, dtype=dt, device=dev) if ctx.needs_input_grad[i + 1] else None
+                      for i, (s, dt, dev) in enumerate(ctx.dep_meta))
+        return (grad,) + zeros
+
+
+def tie(out: Tensor, *deps: Tensor) -> Tensor:
+    """``out`` unchanged, made to depend on ``deps`` in the autograd graph.
+
+    Why: the backward of an exchange node is a collective, and autograd runs a node only if the loss depends on
+    its output. Whether an op's output *numerically* needs the exchanged tensor can depend on the local data (a
+    segment that starts at a document start ignores the entry state), so KCP ties every exchange result into the
+    op's returned tensor: whenever the op's output is used, the exchange's backward runs, on every rank alike.
+    Tensors that do not require grad are skipped (no node, no cost).
+    """
+    deps = tuple(d for d in deps if d.requires_grad)
+    if not deps or not torch.is_grad_enabled():
+        return out
+    return _Tie.apply(out, *deps)

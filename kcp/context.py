@@ -8,6 +8,11 @@ Construction is collective over the CP group (every CP rank must build the conte
 one tiny all-gather of the local shape, then one all-gather of the local ``doc_ids`` and ``positions``
 (``2 * B * T`` int64 per rank per micro-batch). From those, every rank knows every segment's document layout, so
 the fold plans, the halo's previous doc ids and the MLA key doc ids / positions need no further communication.
+
+Hang safety: every collective below runs on every CP rank at the same point of the layer, whatever the local
+data; the exchanges' backward collectives are tied into the op outputs (:func:`kcp.comm.tie`), and the halo of a
+KDA layer is also tied into that layer's KDA output (``conv_halo`` then ``kda`` is the layer's call order), so a
+layer whose output is used runs every one of its backward exchanges on every rank.
 """
 from __future__ import annotations
 
@@ -17,9 +22,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kcp.comm import CommStats, all_gather_stacked, group_size_rank
+from kcp.comm import CommStats, all_gather_stacked, group_size_rank, tie
 from kcp.fold import FoldPlan, SegmentDocs, plan_fold
-from kcp.halo import conv_halo
+from kcp.halo import conv_halo, halo_doc_ids
 from kcp.kda_cp import kcp_chunk_kda
 from kcp.mla_cp import gather_latent_prefix
 from kcp.pairs import KdaFn, LocalLayout
@@ -71,8 +76,7 @@ class KCPContext:
         self.docs = SegmentDocs.from_doc_ids(self.doc_ids_all.cpu())
         self.plan: FoldPlan = plan_fold(self.docs, self.rank)
         r = self.rank
-        self.prev_doc = (self.doc_ids_all[r - 1] if r > 0
-                         else torch.full_like(doc_ids, -1))  # [B, T] doc ids of the previous segment
+        self._halos: list[Tensor] = []  # conv halos not yet tied into a KDA output (see the module docstring)
         self.key_doc_ids = self.doc_ids_all[: r + 1].permute(1, 0, 2).reshape(B, (r + 1) * T)
         self.key_positions = self.positions_all[: r + 1].permute(1, 0, 2).reshape(B, (r + 1) * T)
         logger.debug("%r: chain rows fold=%s", self, self.plan.fwd_b.sum(0).tolist())
@@ -86,10 +90,17 @@ class KCPContext:
     # ------------------------------------------------------------------------------------------------------
     # the contract methods (k3train/model layers call these through seq.cp)
     def conv_halo(self, x: Tensor, n: int) -> tuple[Tensor, Tensor]:
-        """``x [B, T, C] -> (prev [B, n, C], prev_doc [B, n])``: the previous CP rank's last n positions
-        (zeros and doc id -1 on rank 0). Gradient flows back to the previous rank (p2p over the CP group)."""
+        """``x [B, T, C] -> (prev [B, n, C], prev_doc [B, n])``: the n positions of the row before this
+        segment, from as many earlier CP ranks as needed (zeros and doc id -1 before the row start). All-gather
+        forward, reduce-scatter backward over the CP group (see :mod:`kcp.halo`)."""
         self._check_bt(x, "conv_halo")
-        return conv_halo(x, n, self.prev_doc.to(x.device), self.group, self.stats)
+        if n < 0:
+            raise ValueError(f"KCPContext.conv_halo: halo width n={n} must be >= 0")
+        prev_doc = halo_doc_ids(self.doc_ids_all, self.rank, n).to(x.device)
+        prev, prev_doc = conv_halo(x, n, prev_doc, self.group, self.stats)
+        if prev.requires_grad:
+            self._halos.append(prev)
+        return prev, prev_doc
 
     def kda(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None,
             seq: Any = None) -> Tensor:
@@ -108,8 +119,11 @@ class KCPContext:
         """As :meth:`kda`, also returning each row's state after its last local token ``[B, H, K, V]``
         (on the last CP rank: the row's final state)."""
         self._check_bt(k, "kda")
-        return kcp_chunk_kda(q, k, v, g, beta, layout=self.layout, plan=self.plan, group=self.group, scale=scale,
-                             output_final_state=output_final_state, kda_fn=self.kda_fn, stats=self.stats)
+        o, final = kcp_chunk_kda(q, k, v, g, beta, layout=self.layout, plan=self.plan, group=self.group,
+                                 scale=scale, output_final_state=output_final_state, kda_fn=self.kda_fn,
+                                 stats=self.stats)
+        halos, self._halos = self._halos, []
+        return tie(o, *halos), final
 
     def gather_latent(self, latent: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``latent [B, T, L] -> (latent_keys [B, (r+1)T, L], key_doc_ids, key_positions [B, (r+1)T])``.

@@ -1,86 +1,67 @@
-"""ShortConv halo exchange under context parallelism.
+"""ShortConv halo exchange under context parallelism, for any segment length.
 
-KDA's causal depthwise conv (kernel 4) needs, for the first ``n = kernel - 1`` tokens of a rank's segment, the last
-``n`` tokens of the previous rank's segment of the same row. Forward: every rank sends ``x[:, -n:]`` to the next
-CP rank and receives the previous rank's (rank 0 gets zeros with doc id -1, so the conv treats them as "no
-token"). Backward is the mirror: every rank sends ``dL/dprev`` back to the previous rank, which adds it to the
-gradient of its own last ``n`` positions. Point-to-point over the CP group: ``B * n * C`` elements per rank and
-direction (3 tokens' channels per row in K3), independent of the sequence length.
+KDA's causal depthwise conv (kernel 4) needs, for the first ``n = kernel - 1`` tokens of a rank's segment, the
+``n`` tokens of the row that precede the segment. When a segment is at least ``n`` long they are the previous
+rank's last ``n`` tokens; when it is shorter (``seq_len / cp < n``, e.g. segments of 2 with kernel 4) they span
+several earlier ranks. One rule covers both: every rank contributes its last ``m = min(n, T)`` tokens to ONE
+all-gather over the CP group (``[cp, B, m, C]``); rank r's halo is the last ``n`` tokens of ranks ``0..r-1``'s
+contributions laid end to end, padded in front with zeros (doc id -1: "no token", the conv ignores them). With
+``m = T`` the contributions are whole segments, so the window is exact however far back it reaches.
 
-Each rank posts its send and receive together (``batch_isend_irecv``), so the chain cannot deadlock; every rank
-runs the exchange (rank 0 only sends, the last rank only receives) at the same point of the layer, forward and
-backward.
+Backward: the gradient of the window scatters back into the ``[cp, B, m, C]`` gather (zeros where unused) and ONE
+reduce-scatter returns to each rank the sum of what every later rank sent for its tail. Bytes per rank and
+direction: ``(cp - 1) * B * m * C`` elements (3 tokens' channels per row and earlier rank in K3), independent of
+the sequence length.
+
+Hang safety: every rank runs the same all-gather forward and reduce-scatter backward (rank 0 too, whose window is
+all padding): the window is :func:`kcp.comm.tie`-d to the gathered tensor, so its backward runs on every rank
+whenever the halo is used; :class:`kcp.KCPContext` also ties each halo into the layer's KDA output.
 """
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from kcp.comm import CommStats, group_size_rank
+from kcp.comm import CommStats, all_gather_autograd, group_size_rank, tie
 
 
-def _shift(send: Tensor | None, recv_shape: tuple[int, ...], like: Tensor, group: Any, to_next: bool,
-           stats: CommStats | None, kind: str) -> Tensor:
-    """Send ``send`` to the next (``to_next``) or previous rank; receive the matching tensor from the other side.
-
-    Returns the received tensor, or zeros where there is no neighbour on that side.
-    """
-    size, rank = group_size_rank(group)
-    src = rank - 1 if to_next else rank + 1
-    dst = rank + 1 if to_next else rank - 1
-    recv = like.new_zeros(recv_shape)
-    if size == 1:
-        return recv
-    ops = []
-    if 0 <= dst < size and send is not None:
-        buf = send.contiguous()
-        ops.append(dist.P2POp(dist.isend, buf, dist.get_global_rank(group, dst), group=group))
-        if stats is not None:
-            stats.add(kind, buf.numel() * buf.element_size())
-    if 0 <= src < size:
-        ops.append(dist.P2POp(dist.irecv, recv, dist.get_global_rank(group, src), group=group))
-    if ops:  # batched: NCCL posts the neighbour pair together
-        for w in dist.batch_isend_irecv(ops):
-            w.wait()
-    return recv
+def halo_window(tails: Tensor, rank: int, n: int, fill: float | int) -> Tensor:
+    """``tails [cp, B, m, *]`` (every rank's last m positions, rank order) -> ``[B, n, *]``: the n positions that
+    precede ``rank``'s segment, ``fill`` where the row has fewer than n earlier positions. Differentiable."""
+    cp, B, m = tails.shape[:3]
+    rest = tuple(tails.shape[3:])
+    before = tails[:rank].transpose(0, 1).reshape((B, rank * m) + rest)
+    pad = tails.new_full((B, max(0, n - rank * m)) + rest, fill)
+    window = torch.cat([pad, before], dim=1)
+    return window[:, window.shape[1] - n:]
 
 
-class HaloExchange(torch.autograd.Function):
-    """``x [B, T, C] -> prev [B, n, C]``: the previous CP rank's last ``n`` positions of every row (autograd)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, n: int, group: Any, stats: CommStats | None) -> Tensor:
-        B, T, C = x.shape
-        ctx.n, ctx.group, ctx.stats, ctx.shape = n, group, stats, x.shape
-        return _shift(x[:, T - n:], (B, n, C), x, group, True, stats, "halo_fwd")
-
-    @staticmethod
-    def backward(ctx: Any, grad_prev: Tensor) -> tuple[Tensor | None, ...]:
-        B, T, C = ctx.shape
-        n = ctx.n
-        _, rank = group_size_rank(ctx.group)
-        # rank 0's halo was constant zeros: its gradient goes nowhere
-        tail = _shift(grad_prev if rank > 0 else None, (B, n, C), grad_prev, ctx.group, False, ctx.stats,
-                      "halo_bwd")
-        grad_x = grad_prev.new_zeros(B, T, C)
-        grad_x[:, T - n:] = tail
-        return grad_x, None, None, None
+def halo_doc_ids(doc_ids_all: Tensor, rank: int, n: int) -> Tensor:
+    """``doc_ids_all [cp, B, T]`` (every rank's doc ids) -> ``[B, n]`` doc ids of ``rank``'s halo (-1: none)."""
+    m = min(n, doc_ids_all.shape[-1])
+    return halo_window(doc_ids_all[..., doc_ids_all.shape[-1] - m:], rank, n, -1)
 
 
 def conv_halo(x: Tensor, n: int, prev_doc: Tensor, group: Any, stats: CommStats | None = None) -> tuple[Tensor, Tensor]:
-    """The previous CP rank's last ``n`` positions of ``x``.
+    """The ``n`` positions of every row that precede this rank's segment of ``x``.
 
-    Args: x ``[B, T, C]`` (T >= n), n >= 0, prev_doc ``[B, >= n]`` doc ids of the previous rank's last positions
-    (``-1`` where there is no previous rank), group: the CP group.
-    Returns ``(prev [B, n, C], prev_doc [B, n])``; p2p over ``group`` in forward and backward.
+    Args: x ``[B, T, C]`` (any T >= 1), n >= 0, prev_doc ``[B, n]`` their doc ids (:func:`halo_doc_ids`),
+    group: the CP group.
+    Returns ``(prev [B, n, C], prev_doc [B, n])``. Collective over ``group`` forward (all-gather) and backward
+    (reduce-scatter) whenever n > 0, on every rank.
     """
     if x.dim() != 3:
         raise ValueError(f"conv_halo: x must be [B, T, C], got {tuple(x.shape)}")
-    if not 0 <= n <= x.shape[1]:
-        raise ValueError(f"conv_halo: halo width n={n} must be in [0, T={x.shape[1]}] (segment too short)")
+    B, T, C = x.shape
+    if n < 0:
+        raise ValueError(f"conv_halo: halo width n={n} must be >= 0")
+    if tuple(prev_doc.shape) != (B, n):
+        raise ValueError(f"conv_halo: prev_doc must be [B, n] = {(B, n)}, got {tuple(prev_doc.shape)}")
     if n == 0:
-        return x.new_zeros(x.shape[0], 0, x.shape[2]), prev_doc[:, :0]
-    return HaloExchange.apply(x, n, group, stats), prev_doc[:, prev_doc.shape[1] - n:]
+        return x.new_zeros(B, 0, C), prev_doc
+    _, rank = group_size_rank(group)
+    m = min(n, T)
+    tails = all_gather_autograd(x[:, T - m:], group, stats, "halo_fwd", "halo_bwd")  # [cp, B, m, C]
+    return tie(halo_window(tails, rank, n, 0.0), tails), prev_doc

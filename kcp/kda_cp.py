@@ -15,10 +15,16 @@ into q, k, v, g, beta. Per rank and layer that is ``B*H*dk*(dk+dv)*4`` bytes gat
 ``B*H*dk*dv*4`` backward, independent of the sequence length.
 
 The exchange is wrapped in one ``torch.autograd.Function`` (:class:`GatherFoldEntry`) so the communication is
-explicit and happens exactly once per direction. To keep collectives matched across ranks, the Function always
-runs when the micro-batch has any cross-rank document (the decision uses only facts every rank shares) and takes
-the layer inputs as extra (gradient-free) inputs, so its backward runs on every rank even where the local pair is
-not computed (the last rank's pair is never read: it sends zeros and skips the local pair pass).
+explicit and happens exactly once per direction. Hang safety, by construction rather than by case:
+  * whether to communicate at all is decided by ``plan.any_chain``, computed from the gathered layout of every
+    rank (identical everywhere); local facts (does this rank have an entry state, is its pair read) only choose
+    between local computations;
+  * the Function takes the layer inputs as extra (gradient-free) inputs, so its output requires grad on every
+    rank even where the local pair is not computed (it sends zeros), and the producers of q, k, v, g, beta wait
+    for its backward (a fixed order against the layer's other exchanges);
+  * the entry state is :func:`kcp.comm.tie`-d into the returned output on every rank, so the backward all-gather
+    runs whenever the output is used -- also on a rank whose output does not depend on the entry state
+    numerically (its segment starts at a document start and its pair feeds nobody).
 """
 from __future__ import annotations
 
@@ -29,7 +35,7 @@ import torch
 from torch import Tensor
 
 from k3train.ops.kda import chunk_kda
-from kcp.comm import CommStats, all_gather_stacked
+from kcp.comm import CommStats, all_gather_stacked, tie
 from kcp.fold import FoldPlan, fold_adjoint, fold_entry
 from kcp.pairs import KdaFn, LocalLayout, augmented_pass, flatten_tokens
 
@@ -114,4 +120,4 @@ def kcp_chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, l
     final = None
     if output_final_state:  # trailing document: M E' + S~ (E' = E only where it is also the first document)
         final = m_loc @ (entry * plan.own_entry_used.to(entry.dtype).view(-1, 1, 1, 1)) + s_loc
-    return o.to(q.dtype), final
+    return tie(o.to(q.dtype), entry), final

@@ -16,37 +16,18 @@ cross-segment work for packed documents shorter than a segment. A zigzag layout 
 if long single documents make MLA the critical path.
 
 Backward: rank r holds ``dL/dlatent_prefix [B, (r+1)T, L]``; rank j's latent gradient is the sum over ranks of
-their slice j. ONE reduce-scatter over the CP group of the zero-padded ``[cp, B, T, L]`` gradient.
+their slice j. ONE reduce-scatter over the CP group of the zero-padded ``[cp, B, T, L]`` gradient
+(:func:`kcp.comm.all_gather_autograd`). Hang safety: the prefix always holds the rank's own segment (ranks
+0..r, never empty), which its own queries attend to, so the reduce-scatter runs on every rank whenever the
+layer output is used; the gather itself is unconditional.
 """
 from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import Tensor
 
-from kcp.comm import CommStats, all_gather_stacked, group_size_rank, reduce_scatter_stacked
-
-
-class GatherLatentPrefix(torch.autograd.Function):
-    """``latent [B, T, L] -> latent_prefix [B, (r+1)*T, L]`` (segments of CP ranks 0..r in order)."""
-
-    @staticmethod
-    def forward(ctx: Any, latent: Tensor, group: Any, stats: CommStats | None) -> Tensor:
-        size, rank = group_size_rank(group)
-        ctx.group, ctx.stats, ctx.size, ctx.rank = group, stats, size, rank
-        allv = all_gather_stacked(latent, group, stats, "mla_fwd")  # [cp, B, T, L]
-        prefix = allv[: rank + 1]
-        return prefix.permute(1, 0, 2, 3).reshape(latent.shape[0], (rank + 1) * latent.shape[1], latent.shape[2])
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        size, rank = ctx.size, ctx.rank
-        B, TP, L = grad.shape
-        T = TP // (rank + 1)
-        full = grad.new_zeros(size, B, T, L)
-        full[: rank + 1] = grad.reshape(B, rank + 1, T, L).permute(1, 0, 2, 3)
-        return reduce_scatter_stacked(full, ctx.group, ctx.stats, "mla_bwd"), None, None
+from kcp.comm import CommStats, all_gather_autograd, group_size_rank
 
 
 def gather_latent_prefix(latent: Tensor, key_doc_ids: Tensor, key_positions: Tensor, group: Any,
@@ -60,7 +41,10 @@ def gather_latent_prefix(latent: Tensor, key_doc_ids: Tensor, key_positions: Ten
     """
     if latent.dim() != 3:
         raise ValueError(f"gather_latent: latent must be [B, T, L], got {tuple(latent.shape)}")
-    out = GatherLatentPrefix.apply(latent, group, stats)
+    _, rank = group_size_rank(group)
+    B, T, L = latent.shape
+    allv = all_gather_autograd(latent, group, stats, "mla_fwd", "mla_bwd")  # [cp, B, T, L]
+    out = allv[: rank + 1].transpose(0, 1).reshape(B, (rank + 1) * T, L)
     if out.shape[1] != key_doc_ids.shape[1]:
         raise ValueError(f"gather_latent: latent gives {out.shape[1]} keys but the context has "
                          f"{key_doc_ids.shape[1]} (was the context built for this micro-batch?)")

@@ -66,7 +66,7 @@ def _build_weight_group(dims: Any) -> Any:
         return None
     mine = None
     for ranks in dims.all_group_ranks("ep"):
-        g = dist.new_group(ranks)
+        g = dims.new_group(ranks, "ep_weights")  # the layout's backend and collective timeout
         if dims.rank in ranks:
             mine = g
     return mine

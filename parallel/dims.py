@@ -21,6 +21,7 @@ No module-level globals: the object is built once and passed explicitly.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -42,6 +43,9 @@ class ParallelDims:
     rank: int = 0
     groups: dict[str, Any] = field(default_factory=dict, repr=False)
     group_ranks: dict[str, list[int]] = field(default_factory=dict, repr=False)
+    # collective timeout of every group built here (set by build_groups: given, else the default group's)
+    timeout_s: float | None = field(default=None, repr=False)
+    backend: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self._validate()
@@ -151,8 +155,15 @@ class ParallelDims:
             raise KeyError(f"unknown group kind {kind!r} (known: {', '.join(groups)})")
         return groups[kind]
 
-    def build_groups(self, backend: str | None = None) -> "ParallelDims":
-        """Create the process groups (collective call: every rank must call it). Size-1 groups stay ``None``."""
+    def build_groups(self, backend: str | None = None, timeout_s: float | None = None) -> "ParallelDims":
+        """Create the process groups (collective call: every rank must call it). Size-1 groups stay ``None``.
+
+        ``timeout_s``: how long any collective of these groups (and of :meth:`new_group` groups) may wait for its
+        peers; pass the world's (``DistEnv.collective_timeout_s``) -- ``dist.new_group`` does NOT inherit it from
+        the default group, and its own default (30 min on gloo) would let a dead peer hang the job that long.
+        Without ``timeout_s`` the default group's own timeout is used."""
+        self.timeout_s = timeout_s if timeout_s is not None else _world_timeout_s()
+        self.backend = backend
         all_groups = self._enumerate_groups()
         for name, lists in all_groups.items():
             for ranks in lists:
@@ -162,10 +173,14 @@ class ParallelDims:
                 self.groups[name] = None
                 continue
             for ranks in lists:
-                g = dist.new_group(ranks, backend=backend)
+                g = self.new_group(ranks, name)
                 if self.rank in ranks:
                     self.groups[name] = g
         return self
+
+    def new_group(self, ranks: list[int], desc: str) -> Any:
+        """:func:`new_group` with this layout's backend and timeout. Collective over the world."""
+        return new_group(ranks, desc, backend=self.backend, timeout_s=self.timeout_s)
 
     def group(self, name: str) -> Any:
         return self.groups.get(name)
@@ -179,6 +194,27 @@ class ParallelDims:
     def describe(self) -> str:
         return (f"world={self.world_size} pp={self.pp} (vpp={self.vpp}) dp={self.dp} cp={self.cp} ep={self.ep}; "
                 f"rank {self.rank} = pp{self.pp_rank} dp{self.dp_rank} cp{self.cp_rank} ep{self.ep_rank}")
+
+
+def new_group(ranks: list[int] | None, desc: str, backend: str | None = None, timeout_s: float | None = None) -> Any:
+    """``dist.new_group`` for every group of the run (collective over the world): named ``desc`` (torch's
+    ``group_desc``, shown in NCCL's errors and in k3train's one-line collective-failure message), with the
+    collective timeout ``timeout_s`` or else the default group's -- ``dist.new_group`` alone would not inherit it
+    and would wait 30 min (gloo) on a dead peer."""
+    t = timeout_s if timeout_s is not None else _world_timeout_s()
+    return dist.new_group(ranks, backend=backend, timeout=timedelta(seconds=t) if t else None, group_desc=desc)
+
+
+def _world_timeout_s() -> float | None:
+    """The default process group's collective timeout, so that groups built without an explicit one match it.
+    torch has no public getter: read the backend's options, and fall back to torch's default if that changes."""
+    if not dist.is_initialized():
+        return None
+    try:
+        dev = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
+        return dist.group.WORLD._get_backend(dev).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def single_process_dims() -> ParallelDims:

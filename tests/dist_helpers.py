@@ -9,12 +9,16 @@ Usage::
         run_distributed(_body, 4, str(tmp_path))
 
 The body must be a module-level function (it is pickled). Each rank's exception is sent back with its
-traceback; the first failing rank's message fails the test. A hung collective is killed after ``timeout`` s.
+traceback; a rank that dies without reporting (killed by a signal, ``os._exit``) is named with its exit code;
+a hung collective raises after 3/4 of ``timeout`` and the whole run is killed after ``timeout`` s.
 """
 from __future__ import annotations
 
 import os
+import queue
+import signal
 import socket
+import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
@@ -22,6 +26,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT_S = 480.0
 
 
 def free_port() -> int:
@@ -47,34 +53,79 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, q:
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 240.0) -> None:
+def _exit_status(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name} (exit code {code})"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned gloo ranks; fail on the first problem.
+
+    ``timeout``: the whole run's deadline (the default leaves room for a loaded 2-core CI machine and still ends
+    before pytest-timeout's 600 s, so the message below -- not a bare timeout -- is what a hang produces). Each
+    collective may wait 3/4 of it, so a rank stuck in one raises (naming it) before the deadline. A failure names
+    the rank and what happened to it: an exception (with its traceback), a rank that died without reporting (a
+    signal, ``os._exit``, a segfault: its exit code), or ranks still running at the deadline."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, q, timeout))
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, q, 0.75 * timeout))
              for r in range(world_size)]
     for p in procs:
         p.start()
-    errors: dict[int, str] = {}
-    results = 0
+    reported: dict[int, str | None] = {}
+    problems: list[str] = []
+    deadline = time.monotonic() + timeout
+
+    def drain(wait: float) -> None:
+        try:
+            rank, err = q.get(timeout=wait)
+        except queue.Empty:
+            return
+        reported[rank] = err
+        while True:
+            try:
+                rank, err = q.get_nowait()
+            except queue.Empty:
+                return
+            reported[rank] = err
+
     try:
-        while results < world_size:
-            rank, err = q.get(timeout=timeout + 60)
-            results += 1
-            if err is not None:
-                errors[rank] = err
+        while len(reported) < world_size and not problems:
+            drain(0.5)
+            if any(err is not None for err in reported.values()):
                 break
-    except Exception:  # queue timeout
-        errors.setdefault(-1, f"timed out after {timeout + 60}s waiting for ranks")
+            if any(p.exitcode is not None and r not in reported for r, p in enumerate(procs)):
+                drain(0.5)  # a result put just before exiting may still be in the pipe
+                if any(p.exitcode is not None and r not in reported for r, p in enumerate(procs)):
+                    break
+            elif time.monotonic() > deadline:
+                waiting = [r for r in range(world_size) if r not in reported]
+                problems.append(f"timed out after {timeout:g}s; ranks {waiting} still running (a hung collective?)")
     finally:
-        for p in procs:
-            p.join(timeout=5 if errors else 60)
+        killed: set[int] = set()
+        for r, p in enumerate(procs):
+            p.join(timeout=60 if len(reported) == world_size and not any(reported.values()) else 5)
             if p.is_alive():
                 p.kill()
                 p.join()
-    if errors:
-        rank = min(errors)
-        raise AssertionError(f"rank {rank} failed:\n{errors[rank]}")
-    bad = [p.exitcode for p in procs if p.exitcode not in (0, None)]
+                killed.add(r)
+    drain(0.1)  # errors put by ranks that failed while we were joining
+    # the root cause first: a rank that died on its own (its peers' errors are consequences)
+    problems = [f"rank {r} died without reporting: {_exit_status(p.exitcode)}" for r, p in enumerate(procs)
+                if r not in reported and r not in killed] + problems
+    errors = {r: e for r, e in reported.items() if e is not None}
+    if problems or errors:
+        lines = problems + [f"rank {r} raised:\n{errors[r]}" for r in sorted(errors)]
+        others = [f"rank {r}: " + ("killed here after the failure" if r in killed else _exit_status(p.exitcode))
+                  for r, p in enumerate(procs) if r not in errors and (r in reported or r in killed)]
+        raise AssertionError("\n".join(lines + (["other ranks: " + ", ".join(others)] if others else [])))
+    bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (0, None)]
     if bad:
-        raise AssertionError(f"a rank exited with code {bad[0]}")
+        raise AssertionError(f"rank {bad[0][0]} reported success but ended with {_exit_status(bad[0][1])}")

@@ -56,7 +56,7 @@ def analytic_rows(cps: list[int], t_fulls: list[int]) -> list[tuple]:
             t = T // cp
             kcp_fwd = (cp - 1) * H * K * (K + V) * 4           # fp32 (M, S~) all-gather
             kcp_bwd = (cp - 1) * H * K * V * 4                 # fp32 dL/dE all-gather
-            halo = 2 * 3 * n * H * K * ab                      # q, k, v conv halos, forward + backward p2p
+            halo = 2 * (cp - 1) * 3 * min(n, t) * H * K * ab   # q, k, v halo tails: all-gather + reduce-scatter
             kv = 2 * (cp - 1) * t * H * (K + V) * ab           # all-gather K, V fwd + reduce-scatter grads bwd
             kvgb = 2 * (cp - 1) * t * H * (ab * (K + V) + 4 * K + 4)  # + fp32 g and beta
             mla = (cp - 1) * t * L * ab + (cp - 1) * t * L * ab  # latent all-gather + grad reduce-scatter

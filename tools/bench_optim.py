@@ -36,7 +36,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from k3train.config import OptimConfig, load_config  # noqa: E402
+from k3train.config import OptimConfig  # noqa: E402
+from k3train.preflight import validate_run  # noqa: E402
 from k3train.optim import build_optimizer  # noqa: E402
 from k3train.optim.newton_schulz import newton_schulz, ns_flops  # noqa: E402
 from k3train.optim.param_groups import mark_per_head  # noqa: E402
@@ -104,7 +105,7 @@ def standin_factory(a: argparse.Namespace) -> tuple[nn.Module, Callable[[nn.Modu
 def k3_factory(a: argparse.Namespace) -> tuple[nn.Module, Callable[[nn.Module, int], torch.Tensor], Any]:
     from k3train.data.batch import Batch
     from k3train.model.model import K3Model
-    cfg = load_config(a.config, world_size=a.world)
+    cfg = validate_run(a.config, [], world_size=a.world, for_training=False)  # the run-config checks; no data read
     m = K3Model(cfg.model)
     m.init_weights(cfg.train.seed)
 

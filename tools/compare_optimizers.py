@@ -17,11 +17,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def overrides(name: str, args: argparse.Namespace, out: Path) -> list[str]:
+    """The command-line overrides of the ``name`` run (only ``optim.name`` and the run directory differ)."""
+    return [f"--optim.name={name}", f"--train.steps={args.steps}", f"--train.out_dir={out / name}",
+            "--checkpoint.resume=none", "--checkpoint.save_final=false", "--logging.wandb=false",
+            *[f"--{s}" for s in args.set]]
+
+
 def run(name: str, args: argparse.Namespace, out: Path) -> list[dict]:
     run_dir = out / name
-    train = ["-m", "k3train.train", "--config", args.config, f"--optim.name={name}", f"--train.steps={args.steps}",
-             f"--train.out_dir={run_dir}", "--checkpoint.resume=none", "--checkpoint.save_final=false",
-             "--logging.wandb=false", *[f"--{s}" for s in args.set]]
+    train = ["-m", "k3train.train", "--config", args.config, *overrides(name, args, out)]
     if args.nproc > 1:
         cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone", f"--nproc_per_node={args.nproc}", *train]
     else:
@@ -41,6 +46,17 @@ def main() -> None:
     ap.add_argument("--set", nargs="*", default=[], help="extra overrides, e.g. train.seq_len=128")
     args = ap.parse_args()
     out = Path(args.out)
+    sys.path.insert(0, str(ROOT))
+    from k3train.preflight import is_bad_input, validate_run  # noqa: PLC0415
+
+    for name in ("muon", "adamw"):  # both runs' configs, checked before either starts (each run checks again)
+        try:
+            validate_run(args.config, overrides(name, args, out), world_size=args.nproc)
+        except Exception as e:
+            if not is_bad_input(e):
+                raise
+            print(f"k3train: error: {e}", file=sys.stderr)
+            sys.exit(2)
     res = {name: run(name, args, out) for name in ("muon", "adamw")}
     marks = sorted({1, max(1, args.steps // 4), max(1, args.steps // 2), args.steps})
     print(f"\nloss by step ({args.config}, {args.steps} steps, identical global batches)")

@@ -18,14 +18,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from k3train.config import load_config  # noqa: E402
+from k3train.preflight import is_bad_input, validate_run  # noqa: E402
 from k3train.model import K3Model, param_breakdown  # noqa: E402
 from k3train.model.flops import model_flops_per_token  # noqa: E402
 
 
 def count(config: str, overrides: list[str] | None = None) -> dict:
-    """Build the model on the meta device and return :func:`param_breakdown` plus FLOPs per token."""
-    cfg = load_config(config, overrides or [])
+    """Build the model on the meta device and return :func:`param_breakdown` plus FLOPs per token. The config
+    goes through the same validation as a training run (no data or machine checks: nothing is trained)."""
+    cfg = validate_run(config, overrides or [], for_training=False)
     with torch.device("meta"):
         model = K3Model(cfg.model)
     out = param_breakdown(model, cfg.model)
@@ -47,7 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", required=True)
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args, overrides = ap.parse_known_args(argv)
-    res = count(args.config, overrides)
+    try:
+        res = count(args.config, overrides)
+    except Exception as e:
+        if not is_bad_input(e):
+            raise
+        print(f"k3train: error: {e}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(res))
         return 0

@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from k3train.config import SPLIT_NAMES
 from k3train.data.corpus import DataError
 
 logger = logging.getLogger(__name__)
@@ -155,21 +156,48 @@ def validate_indexed_dataset(prefix: str | Path, vocab_size: int | None = None) 
                      hashlib.sha1(raw, usedforsecurity=False).hexdigest())
 
 
+_warned_unverified: set[str] = set()
+
+
 def check_metadata(prefix: str | Path, tokenizer: Any) -> None:
-    """If ``PREFIX.meta.json`` exists, check it names the same tokenizer (file hash, EOS id, vocab size)."""
+    """Check ``PREFIX.meta.json`` names the tokenizer ``data.tokenizer`` is (sha256 of the tokenizer file, its
+    vocabulary size, its EOS id; ``tools/prepare_data.py`` records them). A mismatch is a :class:`DataError`;
+    a dataset with no recorded hash (no metadata, or made elsewhere) cannot be verified: one warning per
+    process and dataset (preflight runs this first; the loader's later call stays quiet)."""
     mp = meta_path(prefix)
-    if not mp.is_file():
-        logger.warning("%s is missing: cannot verify which tokenizer made the dataset", mp)
-        return
-    try:
-        meta = json.loads(mp.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise DataError(f"{mp}: unreadable metadata ({e})") from None
+    meta: dict[str, Any] = {}
+    if mp.is_file():
+        try:
+            meta = json.loads(mp.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise DataError(f"{mp}: unreadable metadata ({str(e).splitlines()[0]})") from None
+        if not isinstance(meta, dict):
+            raise DataError(f"{mp}: unreadable metadata (not a JSON object)")
     for key, ours in (("tokenizer_sha256", tokenizer.sha256), ("eos_id", tokenizer.eos_id),
                       ("vocab_size", tokenizer.vocab_size)):
         if key in meta and ours and meta[key] != ours:
-            raise DataError(f"{mp}: dataset was made with {key}={meta[key]!r} but data.tokenizer "
-                            f"{tokenizer.path} has {ours!r}: re-run tools/prepare_data.py")
+            raise DataError(f"data.tokenizer: {mp}: dataset was made with {key}={meta[key]!r} but data.tokenizer "
+                            f"{tokenizer.path} has {ours!r}: re-run tools/prepare_data.py with this tokenizer")
+    if "tokenizer_sha256" not in meta and str(mp) not in _warned_unverified:
+        _warned_unverified.add(str(mp))
+        why = "has no tokenizer_sha256" if mp.is_file() else "is missing"
+        logger.warning("%s %s: cannot verify that data.tokenizer %s made this dataset", mp, why, tokenizer.path)
+
+
+def check_split_sizes(info: IndexInfo, split: str, seq_len: int, names: Iterable[str]) -> None:
+    """Each split in ``names`` must hold at least one ``seq_len + 1``-token sample (Megatron would fail on an
+    empty split, or loop forever on a too-short one). :class:`DataError` naming ``data.split``."""
+    ranges = dict(zip(SPLIT_NAMES, split_document_ranges(info.num_sequences, split)))
+    for name in names:
+        rng = ranges[name]
+        if rng is None:
+            raise DataError(f"data.split={split!r} gives the {name} split weight 0, but the run reads it")
+        tokens = int(info.sequence_lengths[rng[0]:rng[1]].astype(np.int64).sum())
+        if tokens < seq_len + 1:
+            raise DataError(f"data.split={split!r}: the {name} split of {info.prefix} gets documents "
+                            f"{rng[0]}:{rng[1]} ({rng[1] - rng[0]} of {info.num_sequences}) = {tokens} tokens, "
+                            f"fewer than one sample of seq_len+1={seq_len + 1}; use a larger dataset or give the "
+                            "split weight 0 (e.g. data.split='100,0,0')")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -281,28 +309,22 @@ def ensure_helpers() -> None:
 
 def split_document_ranges(num_sequences: int, split: str) -> list[tuple[int, int] | None]:
     """Sequence ranges ``[beg, end)`` of the train/valid/test splits exactly as Megatron computes them from a
-    split string such as ``"98,2,0"`` (None for a split of weight 0)."""
-    with _mcore():
-        from megatron.core.datasets.blended_megatron_dataset_config import (
-            convert_split_vector_to_split_matrix, parse_and_normalize_split)
+    split string such as ``"98,2,0"`` (None for a split of weight 0): weights normalised by their sum, book-ends
+    by cumulative sums, ``round(bookend * num_sequences)`` -- Megatron's ``parse_and_normalize_split``,
+    ``convert_split_vector_to_split_matrix`` and builder, in the same float operations (a test compares them),
+    written out so that preflight does not import megatron (seconds) to check a split."""
+    from k3train.config import ConfigError, parse_split
 
-    # Megatron's parser picks numbers out with a regex and accepts anything; be strict first.
-    parts = [s.strip() for s in str(split).split(",")]
-    try:
-        weights = [float(s) for s in parts]
-    except ValueError:
-        weights = []
-    if not 1 <= len(weights) <= 3 or any(not 0 <= w < float("inf") for w in weights) or sum(weights) <= 0:
-        raise DataError(f"data.split: cannot parse {split!r} (expected up to 3 non-negative comma-separated "
-                        "weights with a positive sum, e.g. '98,2,0')")
-    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(",".join(parts)))
-    out: list[tuple[int, int] | None] = []
-    for bounds in matrix:
-        if bounds is None:
-            out.append(None)
-        else:
-            out.append((int(round(bounds[0] * num_sequences)), int(round(bounds[1] * num_sequences))))
-    return out
+    try:  # Megatron's parser picks numbers out with a regex and accepts anything; ours is strict
+        weights = parse_split(split)
+    except ConfigError as e:
+        raise DataError(str(e)) from None
+    total = weights[0] + weights[1] + weights[2]
+    bounds = [0.0]
+    for w in weights:
+        bounds.append(bounds[-1] + w / total)
+    return [None if hi <= lo else (int(round(lo * num_sequences)), int(round(hi * num_sequences)))
+            for lo, hi in zip(bounds[:-1], bounds[1:])]
 
 
 @contextlib.contextmanager
@@ -316,16 +338,16 @@ def _file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
-SPLIT_NAMES = ("train", "valid", "test")
-
-
 def build_gpt_datasets(prefix: str | Path, tokenizer: Any, seq_len: int, seed: int, split: str,
                        num_samples: dict[str, int | None]) -> dict[str, Any]:
     """Build Megatron ``GPTDataset`` splits of one indexed dataset.
 
     ``num_samples[name]`` (``name`` in train/valid/test) is the number of samples to draw for that split
-    (None = one epoch); splits of weight 0 in ``split`` are skipped. Returns ``{name: GPTDataset}``; each item
-    ``ds[i]["tokens"]`` / ``["labels"]`` are the ``seq_len + 1`` sample tokens shifted by one.
+    (None = one epoch). Only the splits named in ``num_samples`` are built (a split nobody reads is never
+    built, so a too-small one cannot fail the run); splits of weight 0 in ``split`` are skipped. The
+    document ranges always come from the full ``split`` string, so which splits are built never moves them.
+    Returns ``{name: GPTDataset}``; each item ``ds[i]["tokens"]`` / ``["labels"]`` are the ``seq_len + 1`` sample
+    tokens shifted by one.
 
     COLLECTIVE over the default process group when ``torch.distributed`` is initialised (Megatron's rank-0
     build + ``barrier``): call it on every rank, in the same order. Raises :class:`DataError` for bad files
@@ -344,18 +366,11 @@ def build_gpt_datasets(prefix: str | Path, tokenizer: Any, seq_len: int, seed: i
         raise DataError(f"train.seq_len must be >= 1, got {seq_len}")
 
     ranges = split_document_ranges(info.num_sequences, split)
-    sizes: list[int | None] = []
-    for name, rng in zip(SPLIT_NAMES, ranges):
-        n = num_samples.get(name)
-        sizes.append(n)
-        if rng is None:
-            continue
-        tokens = int(info.sequence_lengths[rng[0]:rng[1]].astype(np.int64).sum())
-        if tokens < seq_len + 1:
-            raise DataError(f"data.split={split!r}: the {name} split of {prefix} gets documents {rng[0]}:{rng[1]} "
-                            f"= {tokens} tokens, fewer than one sample of seq_len+1={seq_len + 1}; use a larger "
-                            f"dataset or give the split weight 0 (e.g. data.split='100,0,0')")
-        if n is not None and n < 1:
+    wanted = [name for name, rng in zip(SPLIT_NAMES, ranges) if name in num_samples and rng is not None]
+    check_split_sizes(info, split, seq_len, wanted)
+    sizes: list[int | None] = [num_samples.get(name) for name in SPLIT_NAMES]
+    for name, n in zip(SPLIT_NAMES, sizes):
+        if name in wanted and n is not None and n < 1:
             raise DataError(f"{name} split: number of samples must be >= 1, got {n}")
 
     cache_dir = prefix.parent / f"{prefix.name}.cache" / info.fingerprint[:16]
@@ -372,6 +387,8 @@ def build_gpt_datasets(prefix: str | Path, tokenizer: Any, seq_len: int, seed: i
         create_attention_mask=False,  # a [T, T] mask per sample is never used
         mmap_bin_files=True,
     )
+    # drop the splits not asked for from the split matrix Megatron derived from the full split string
+    config.split_matrix = [m if name in wanted else None for name, m in zip(SPLIT_NAMES, config.split_matrix)]
     builder = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config)
     # Only processes that may write the cache take the lock: rank 0 of a job (the others load after
     # Megatron's barrier, so taking the lock there could deadlock against rank 0 waiting in the barrier),

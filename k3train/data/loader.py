@@ -82,8 +82,9 @@ class GlobalBatchLoader:
                             f"ids ({self.tokenizer.path})")
         self.data_path = str(cfg.data.path)
         num_samples = {"train": max(1, int(t.steps)) * self.gbs, "valid": None, "test": None}
+        # build only the split this loader reads: an unread split, however small, must not fail the run
         datasets = build_gpt_datasets(self.data_path, self.tokenizer, self.seq_len, self.seed, cfg.data.split,
-                                      num_samples)
+                                      {split: num_samples[split]})
         if split not in datasets:
             raise DataError(f"data.split={cfg.data.split!r} gives the {split} split weight 0")
         self.dataset = datasets[split]

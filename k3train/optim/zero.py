@@ -319,6 +319,16 @@ class DistributedOptimizer:
         self.steps += 1
         return out
 
+    def skip_step(self) -> dict[str, float]:
+        """Skip this step's update (the trainer found a non-finite loss or gradient): no parameter, moment,
+        momentum or step counter changes; this step's QK-Clip maxima are dropped. Local (no communication):
+        every rank of the run must skip the same step. Returns :meth:`step`'s keys with ``skipped`` 1.0."""
+        out = {"grad_norm": self._norm if self._norm is not None else float("nan"), "skipped": 1.0,
+               "qk_clipped_heads": 0.0, "qk_max": 0.0}
+        self._reset_qk_max()
+        self._norm = None
+        return out
+
     def _qk_gammas(self, out: dict[str, float]) -> list[torch.Tensor]:
         if not self.qk_modules:
             return []

@@ -14,12 +14,17 @@ Both have the same interface:
                                         last micro-batch's backward of that chunk; the shared embedding after
                                         its cross-stage sum) -- Pipeline ZeRO-2: ``optimizer.reduce_chunk_grads``
     runner.forward_backward(micro_batches, norm) -> dict   (gradients accumulate into .grad)
+    runner.forward_only(micro_batches, norm) -> dict       (evaluation: forward actions only, under no_grad;
+                                                            the same loss statistics, no gradients, no hooks)
+    runner.current                      (kind 'F'|'B', virtual stage, micro-batch) of the compute running now
+                                        (for diagnostic hooks, see k3train/nonfinite.py)
 
 Gradients after ``forward_backward`` are this rank's contributions to the global-batch mean loss (LossNorm);
 the data-parallel reduction is the optimizer's job.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any, Callable
@@ -33,8 +38,8 @@ from parallel.pipeline.attnres_comm import AttnResCommPlan, BlockCache, StageInp
 from parallel.pipeline.loss_norm import LossNorm
 from parallel.pipeline.p2p import Instr, P2PTransport, build_programs
 from parallel.pipeline.partition import PipelinePartition, build_partition, describe_partition
-from parallel.pipeline.schedules import (Action, Message, build_schedule, resolve_schedule, simulate,
-                                         theoretical_bubble)
+from parallel.pipeline.schedules import (Action, Message, build_schedule, forward_only_schedule,
+                                         resolve_schedule, simulate, theoretical_bubble)
 from parallel.pipeline.stage import build_stage_model, chunk_param_groups, run_maybe_recomputed, shares_embedding
 
 log = logging.getLogger(__name__)
@@ -75,6 +80,7 @@ class StepRunner:
                                                    if self.shared_embedding and self.pp_rank == partition.pp - 1
                                                    else [])
         self.last_stats: dict[str, Any] = {}
+        self.current: tuple[str, int, int] | None = None
 
     def refresh_params(self) -> None:
         """Recompute ``chunk_params`` / ``shared_params`` from the model (called every step: expert parallelism
@@ -116,6 +122,9 @@ class StepRunner:
     def forward_backward(self, micro_batches: list[Any], norm: LossNorm) -> dict[str, Any]:
         raise NotImplementedError
 
+    def forward_only(self, micro_batches: list[Any], norm: LossNorm) -> dict[str, Any]:
+        raise NotImplementedError
+
 
 class LocalRunner(StepRunner):
     """pp = 1: gradient accumulation over the micro-batches through the same interface."""
@@ -126,24 +135,38 @@ class LocalRunner(StepRunner):
         stats = self._new_stats()
         self.counter.reset()
         self.refresh_params()
-        L = self.partition.num_layers
-        for batch in micro_batches:
-            seq = self.make_seq(batch)
-
-            def run(batch: Any = batch, seq: Any = seq) -> dict[str, torch.Tensor]:
-                state = self.model.forward_layers(self.model.embed(batch.tokens), 0, L, seq)
-                return self.model.loss_sums(state, batch, seq)
-
-            sums = run_maybe_recomputed(run, self.recompute)
+        for mb, batch in enumerate(micro_batches):
+            self.current = ("F", 0, mb)
+            seq = self.make_seq(batch)  # outside recomputation: under CP it builds a collective context
+            sums = run_maybe_recomputed(functools.partial(self._run, batch, seq), self.recompute)
             loss = norm(sums)
+            self.current = ("B", 0, mb)
             loss.backward()
             self._add_sums(stats, sums, loss)
+        self.current = None
         for params in self.chunk_params:
             self._hook(params)
         self._finish_sums(stats)
         stats.update(self.counter.as_stats())
         stats["compute_s"] = stats["step_s"] = time.perf_counter() - t_step
         self.last_stats = stats
+        return stats
+
+    def _run(self, batch: Any, seq: Any) -> dict[str, torch.Tensor]:
+        state = self.model.forward_layers(self.model.embed(batch.tokens), 0, self.partition.num_layers, seq)
+        return self.model.loss_sums(state, batch, seq)
+
+    @torch.no_grad()
+    def forward_only(self, micro_batches: list[Any], norm: LossNorm) -> dict[str, Any]:
+        """Loss statistics of every micro-batch, forward only (evaluation)."""
+        stats = self._new_stats()
+        self.refresh_params()
+        for mb, batch in enumerate(micro_batches):
+            self.current = ("F", 0, mb)
+            sums = self._run(batch, self.make_seq(batch))
+            self._add_sums(stats, sums, norm(sums))
+        self.current = None
+        self._finish_sums(stats)
         return stats
 
 
@@ -161,23 +184,29 @@ class PipelineRunner(StepRunner):
         max_items = 2 + part.num_layers // part.block_size + 1
         self.p2p = P2PTransport(dims.ranks("pp"), part.pp, self.n_stages - 1, max_items, self.counter)
         self.embd_group = dims.group("embd") if self.shared_embedding else None
-        self._programs: dict[int, tuple[list[Action], list[Instr], float]] = {}
+        self._programs: dict[tuple[int, bool], tuple[list[Action], list[Instr], float]] = {}
         self.device = next(self.model.parameters()).device
+        self._forward_only = False  # set per step by begin_step
 
     # ---------------------------------------------------------------------------------------------------------
-    def program(self, num_microbatches: int) -> tuple[list[Action], list[Instr], float]:
-        """``(actions, program, simulated bubble)`` of this rank for ``num_microbatches`` (cached)."""
-        if num_microbatches not in self._programs:
+    def program(self, num_microbatches: int, forward_only: bool = False) -> tuple[list[Action], list[Instr], float]:
+        """``(actions, program, simulated bubble)`` of this rank for ``num_microbatches`` (cached).
+        ``forward_only``: the schedule's forward actions in their order (evaluation), see
+        :func:`schedules.forward_only_schedule`."""
+        key = (num_microbatches, forward_only)
+        if key not in self._programs:
             pp, vpp = self.partition.pp, self.partition.vpp
             sched = build_schedule(self.schedule, pp, vpp, num_microbatches)
+            if forward_only:
+                sched = forward_only_schedule(sched)
             sim = simulate(sched, pp, vpp)
             programs = build_programs(sched, pp, vpp, sim)
-            self._programs[num_microbatches] = (sched[self.pp_rank], programs[self.pp_rank], sim.bubble)
-            if self.dims.rank == 0:
+            self._programs[key] = (sched[self.pp_rank], programs[self.pp_rank], sim.bubble)
+            if self.dims.rank == 0 and not forward_only:
                 log.info("pipeline schedule %s: pp=%d vpp=%d M=%d; expected bubble (pp-1)/(vpp*M+pp-1) = %.3f "
                          "(simulated with equal stages, backward = 2 x forward: %.3f)", self.schedule, pp, vpp,
                          num_microbatches, theoretical_bubble(pp, vpp, num_microbatches), sim.bubble)
-        return self._programs[num_microbatches]
+        return self._programs[key]
 
     def _specs(self, msg: Message, batches: list[Any]) -> tuple[list[tuple[tuple[int, ...], torch.dtype]], list[str]]:
         B, T = batches[msg.mb].tokens.shape[:2]
@@ -198,11 +227,22 @@ class PipelineRunner(StepRunner):
             self.run_instr(ins)
         return self.end_step()
 
+    @torch.no_grad()
+    def forward_only(self, micro_batches: list[Any], norm: LossNorm) -> dict[str, Any]:
+        """Forward actions of the schedule only (evaluation): the same activation p2p between the same ranks,
+        nothing saved for backward, no gradient messages, no embedding all-reduce. Every pipeline rank must
+        call it with the same micro-batch count. Returns the loss statistics (non-zero on the last stage)."""
+        program = self.begin_step(micro_batches, norm, forward_only=True)
+        for ins in program:
+            self.run_instr(ins)
+        return self.end_step(sync_shared=False)
+
     # The step in three parts, so that a test can interleave the programs of several ranks in one process.
-    def begin_step(self, micro_batches: list[Any], norm: LossNorm) -> list[Instr]:
+    def begin_step(self, micro_batches: list[Any], norm: LossNorm, forward_only: bool = False) -> list[Instr]:
         """Reset per-step state; returns this rank's program for ``len(micro_batches)``."""
         self._t_step = time.perf_counter()
-        actions, program, _ = self.program(len(micro_batches))
+        self._forward_only = forward_only
+        actions, program, _ = self.program(len(micro_batches), forward_only)
         self.counter.reset()
         self.refresh_params()
         self._batches, self._norm = micro_batches, norm
@@ -230,6 +270,7 @@ class PipelineRunner(StepRunner):
             self.p2p.complete_sends(self.p2p.generation - 1)
             self.p2p.generation += 1
             t0 = time.perf_counter()
+            self.current = (a.kind, a.chunk * self.partition.pp + self.pp_rank, a.mb)
             if a.kind == "F":
                 self._forward(a)
             else:
@@ -256,6 +297,7 @@ class PipelineRunner(StepRunner):
         stats["step_s"] = time.perf_counter() - self._t_step
         self.last_stats = stats
         self._batches, self._seqs, self._norm = [], [], None
+        self.current = None
         return stats
 
     def _forward(self, a: Action) -> None:
@@ -280,11 +322,13 @@ class PipelineRunner(StepRunner):
             loss = norm(out)
             self._add_sums(stats, out, loss)
             cache.after_forward(a.chunk, a.mb, [])  # the last chunk: frees this micro-batch's cache entry
-            saved[(a.chunk, a.mb)] = (inp, loss)
+            if not self._forward_only:
+                saved[(a.chunk, a.mb)] = (inp, loss)
         else:
             outbox[Message("act", v, a.mb)] = cache.outgoing(v, out.blocks, out.partial)
             cache.after_forward(a.chunk, a.mb, out.blocks)
-            saved[(a.chunk, a.mb)] = (inp, out)
+            if not self._forward_only:
+                saved[(a.chunk, a.mb)] = (inp, out)
 
     def _backward(self, a: Action) -> None:
         cache, saved, outbox = self._cache, self._saved, self._outbox

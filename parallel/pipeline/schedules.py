@@ -123,6 +123,13 @@ def build_schedule(schedule: str, pp: int, vpp: int, num_microbatches: int) -> l
     raise ConfigError(f"parallel.schedule: unknown schedule {schedule!r}")
 
 
+def forward_only_schedule(sched: list[list[Action]]) -> list[list[Action]]:
+    """The forward actions of ``sched`` in their order on each rank (a forward-only pass, e.g. evaluation).
+    Deadlock-free whenever ``sched`` is: forwards depend only on forwards, and the restriction of a feasible
+    execution order to the forwards is still feasible."""
+    return [[a for a in acts if a.kind == "F"] for acts in sched]
+
+
 def theoretical_bubble(pp: int, vpp: int, num_microbatches: int) -> float:
     """Idle fraction of the (interleaved) 1F1B pipeline with equal stages: ``(pp-1) / (vpp*M + pp-1)``."""
     return (pp - 1) / (vpp * num_microbatches + pp - 1)
@@ -170,15 +177,17 @@ class SimResult:
 
 
 def validate_schedule(sched: list[list[Action]], pp: int, vpp: int, M: int) -> None:
-    """Every rank runs every (F|B, chunk, mb) exactly once and each backward after its own forward."""
-    want = {Action(k, c, m) for k in "FB" for c in range(vpp) for m in range(M)}
+    """Every rank runs every (F|B, chunk, mb) exactly once and each backward after its own forward (a schedule
+    without any backward, :func:`forward_only_schedule`, runs every forward exactly once)."""
+    kinds = "FB" if any(a.kind == "B" for acts in sched for a in acts) else "F"
+    want = {Action(k, c, m) for k in kinds for c in range(vpp) for m in range(M)}
     for r, acts in enumerate(sched):
         if len(acts) != len(want) or set(acts) != want:
             missing, extra = want - set(acts), len(acts) - len(set(acts))
             raise ValueError(f"rank {r}: schedule is not a permutation of all actions "
                              f"(missing {sorted(missing)[:4]}, duplicates {extra})")
         pos = {a: i for i, a in enumerate(acts)}
-        for c in range(vpp):
+        for c in range(vpp if kinds == "FB" else 0):
             for m in range(M):
                 if pos[Action("B", c, m)] < pos[Action("F", c, m)]:
                     raise ValueError(f"rank {r}: B{c}.{m} scheduled before its forward")

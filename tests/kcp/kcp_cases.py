@@ -18,12 +18,34 @@ LAYOUTS: dict[str, list[list[int]]] = {
 }
 
 
-def doc_ids_from_lengths(rows: list[list[int]]) -> torch.Tensor:
-    """``[B, T_FULL]`` doc ids (unique per row, increasing) from per-row document lengths."""
+# Layouts for cp = 3 and 4 built so that some CP segment neither receives state (it starts at a document start)
+# nor passes it on (its last document ends at the segment end) while other rows/ranks do carry state: the case
+# that hung KCP (issue 10). Segments of 16 tokens (cp=3: 48 per row, cp=4: 64 per row); "short_halo" has
+# segments of 2 tokens, shorter than the ShortConv halo (kernel 4: 3 tokens) -- the halo spans several ranks.
+HANG_LAYOUTS: dict[int, dict[str, list[list[int]]]] = {
+    3: {
+        "whole_and_half": [[16, 32], [32, 16]],        # rank 0 / rank 2 isolated, the others chained
+        "isolated_rows": [[16, 16, 16], [8, 16, 24]],  # row 0 all whole documents, row 1 half documents
+        "one_doc": [[48], [48]],                       # one document spanning every rank
+        "mixed": [[5, 11, 16, 3, 13], [16, 20, 12]],
+        "short_halo": [[6], [1, 2, 3]],                # 6 tokens, segments of 2
+    },
+    4: {
+        "failing_16_32": [[16, 32, 16], [32, 16, 16]],  # the reproduced hang: cp=4, docs of 16 and 32, seq_len 64
+        "isolated_rows": [[16, 16, 16, 16], [8, 16, 16, 24]],
+        "one_doc": [[64], [64]],
+        "mixed": [[5, 11, 16, 3, 29], [16, 40, 8]],
+        "short_halo": [[8], [3, 2, 2, 1]],              # 8 tokens, segments of 2
+    },
+}
+
+
+def doc_ids_from_lengths(rows: list[list[int]], total: int = T_FULL) -> torch.Tensor:
+    """``[B, total]`` doc ids (unique per row, increasing) from per-row document lengths."""
     out = []
     for lengths in rows:
-        if sum(lengths) != T_FULL:
-            raise ValueError(f"row lengths {lengths} do not sum to {T_FULL}")
+        if sum(lengths) != total:
+            raise ValueError(f"row lengths {lengths} do not sum to {total}")
         out.append(torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in enumerate(lengths)]))
     return torch.stack(out)
 

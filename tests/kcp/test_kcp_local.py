@@ -121,7 +121,9 @@ def test_no_cross_rank_document_means_no_chain() -> None:
 def test_context_rejects_bad_input() -> None:
     ctx = KCPContext(None, torch.zeros(2, 8, dtype=torch.long))  # CP size 1: no process group needed
     with pytest.raises(ValueError, match="conv_halo"):
-        ctx.conv_halo(torch.zeros(2, 8, 3), 9)
+        ctx.conv_halo(torch.zeros(2, 8, 3), -1)
+    with pytest.raises(ValueError, match="conv_halo"):
+        ctx.conv_halo(torch.zeros(2, 7, 3), 3)
     with pytest.raises(ValueError, match="gather_latent"):
         ctx.gather_latent(torch.zeros(2, 7, 3))
     with pytest.raises(ValueError, match="doc_ids"):

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from train_helpers import FAST, read_metrics, run_train
+from train_helpers import FAST, assert_ok, read_metrics, run_train
 
 
 def _args(prefix, out, steps, *extra):
@@ -13,15 +13,11 @@ def _args(prefix, out, steps, *extra):
             f"--train.steps={steps}", *FAST, *extra]
 
 
-def _ok(res):
-    assert res.returncode == 0, f"exit {res.returncode}\nSTDOUT:\n{res.stdout[-3000:]}\nSTDERR:\n{res.stderr[-6000:]}"
-
-
 @pytest.fixture(scope="module")
 def straight(corpus_prefix, tmp_path_factory):
     """Single process, 6 steps straight: the reference every other layout is compared with."""
     out = tmp_path_factory.mktemp("straight")
-    _ok(run_train(_args(corpus_prefix, out, 6, "--checkpoint.resume=none")))
+    assert_ok(run_train(_args(corpus_prefix, out, 6, "--checkpoint.resume=none")))
     return read_metrics(out)
 
 
@@ -35,11 +31,11 @@ def test_metrics_fields(straight):
 def test_exact_resume_single_process(corpus_prefix, tmp_path, straight):
     """3 steps, stop, resume to 6 == 6 straight (bit-exact losses: same layout, same reduction order)."""
     out = tmp_path / "resumed"
-    _ok(run_train(_args(corpus_prefix, out, 6, "--train.stop_at_step=3", "--checkpoint.resume=auto")))
+    assert_ok(run_train(_args(corpus_prefix, out, 6, "--train.stop_at_step=3", "--checkpoint.resume=auto")))
     assert (out / "checkpoints" / "step_00000003" / "COMPLETE").is_file()
     with open(out / "metrics.jsonl", "a") as f:  # a step logged after the checkpoint by a run that then crashed
         f.write('{"step": 4, "loss": 123.0}\n')
-    _ok(run_train(_args(corpus_prefix, out, 6, "--checkpoint.resume=auto")))
+    assert_ok(run_train(_args(corpus_prefix, out, 6, "--checkpoint.resume=auto")))
     got = read_metrics(out)
     assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6]
     assert [r["loss"] for r in got] == [r["loss"] for r in straight]
@@ -52,9 +48,9 @@ def test_torchrun_pipeline_vpp_trains_and_resumes(corpus_prefix, tmp_path, strai
     out = tmp_path / "pp"
     pp = ["--parallel.pp=2", "--parallel.vpp=2", "--train.micro_batch_size=1", "--checkpoint.interval=2",
           "--checkpoint.resume=auto"]
-    _ok(run_train(_args(corpus_prefix, out, 6, "--train.stop_at_step=4", *pp), nproc=2))
+    assert_ok(run_train(_args(corpus_prefix, out, 6, "--train.stop_at_step=4", *pp), nproc=2))
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
-    _ok(run_train(_args(corpus_prefix, out, 6, *pp), nproc=2))
+    assert_ok(run_train(_args(corpus_prefix, out, 6, *pp), nproc=2))
     got = read_metrics(out)
     assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6]
     for a, b in zip(got, straight):
@@ -68,8 +64,8 @@ def test_torchrun_expert_parallel_resumes_exactly(corpus_prefix, tmp_path, strai
     in the checkpoint; stop at 3, resume to 6, every step matches the single process."""
     out = tmp_path / "ep"
     ep = ["--parallel.ep=2", "--parallel.zero=2", "--checkpoint.resume=auto"]
-    _ok(run_train(_args(corpus_prefix, out, 6, "--train.stop_at_step=3", *ep), nproc=2))
-    _ok(run_train(_args(corpus_prefix, out, 6, *ep), nproc=2))
+    assert_ok(run_train(_args(corpus_prefix, out, 6, "--train.stop_at_step=3", *ep), nproc=2))
+    assert_ok(run_train(_args(corpus_prefix, out, 6, *ep), nproc=2))
     got = read_metrics(out)
     assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6]
     for a, b in zip(got, straight):
@@ -81,7 +77,7 @@ def test_torchrun_bf16_with_fp32_masters_tracks_fp32(corpus_prefix, tmp_path, st
     """train.dtype=bfloat16: bf16 parameters/activations/p2p payloads, fp32 master weights in the (ZeRO) optimizer.
     Same global batches as the fp32 run, so the losses stay close (bf16 rounding only)."""
     out = tmp_path / "bf16"
-    _ok(run_train(_args(corpus_prefix, out, 6, "--train.dtype=bfloat16", "--parallel.pp=2",
+    assert_ok(run_train(_args(corpus_prefix, out, 6, "--train.dtype=bfloat16", "--parallel.pp=2",
                         "--checkpoint.resume=none"), nproc=2))
     got = read_metrics(out)
     assert len(got) == 6

@@ -16,10 +16,17 @@ FAST = ["--train.seq_len=64", "--train.global_batch_size=4", "--train.micro_batc
         "--data.split=100,0,0", "--logging.wandb=false", "--optim.warmup_steps=2"]
 
 
-def run_train(args: list[str], nproc: int = 0, timeout: float = 600) -> subprocess.CompletedProcess:
-    """``python -m k3train.train`` (nproc 0) or ``torchrun --nproc_per_node=nproc -m k3train.train``."""
+def run_train(args: list[str], nproc: int = 0, timeout: float = 600,
+              env_extra: dict[str, str | None] | None = None) -> subprocess.CompletedProcess:
+    """``python -m k3train.train`` (nproc 0) or ``torchrun --nproc_per_node=nproc -m k3train.train``.
+    ``env_extra``: environment changes on top of the defaults (a value of None removes the variable)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env.update(WANDB_MODE="disabled", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    for k, v in (env_extra or {}).items():
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = v
     if nproc:
         cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", "-m", "k3train.train", *args]
     else:
@@ -29,3 +36,8 @@ def run_train(args: list[str], nproc: int = 0, timeout: float = 600) -> subproce
 
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_ok(res: subprocess.CompletedProcess) -> None:
+    """Fail with the run's output tails when it did not exit 0."""
+    assert res.returncode == 0, f"exit {res.returncode}\nSTDOUT:\n{res.stdout[-3000:]}\nSTDERR:\n{res.stderr[-6000:]}"

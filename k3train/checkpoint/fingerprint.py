@@ -1,0 +1,79 @@
+"""What makes a checkpoint belong to a run: its fingerprint, and its LR schedule.
+
+Why: resuming must continue the SAME run. The fingerprint holds what defines the run's trajectory -- the model
+section (shapes and numerics), the data (path, split, tokenizer file hash), the seed, the sequence length and the
+global batch size -- and is stored in every checkpoint; a start whose fingerprint differs is refused, naming the
+keys. What may change between invocations (the parallel layout, the step count, logging, checkpoint.*) is not in
+it. The LR schedule (optim.* and train.steps) may change, but a resume under a different schedule is warned about,
+with the LR at the resume step under the old and the new schedule.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from k3train.config import Config
+from k3train.data.tokenizer import file_sha256
+
+# model fields with no effect on the numbers a run produces (activation recomputation only trades memory)
+_MODEL_EXEMPT = ("attn_res_recompute",)
+
+
+def _settable(section: Any) -> dict[str, Any]:
+    return {f.name: (list(v) if isinstance(v := getattr(section, f.name), list) else v)
+            for f in dataclasses.fields(section) if not f.metadata.get("derived")}
+
+
+def run_fingerprint(cfg: Config) -> dict[str, Any]:
+    """Flat ``{"section.key": value}`` of what defines the run (see the module docstring)."""
+    out = {f"model.{k}": v for k, v in _settable(cfg.model).items() if k not in _MODEL_EXEMPT}
+    out["data.path"] = str(Path(cfg.data.path).resolve())
+    out["data.split"] = cfg.data.split
+    tok = Path(cfg.data.tokenizer)
+    out["data.tokenizer_sha256"] = file_sha256(tok) if tok.is_file() else ""
+    out["train.seed"] = cfg.train.seed
+    out["train.seq_len"] = cfg.train.seq_len
+    out["train.global_batch_size"] = cfg.train.global_batch_size
+    return out
+
+
+def fingerprint_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """``["key old -> new", ...]`` for every key whose value differs (or exists on one side only)."""
+    out = []
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k, "<absent>"), new.get(k, "<absent>")
+        if a != b:
+            out.append(f"{k} {a} -> {b}")
+    return out
+
+
+# the optim fields lr_at reads
+_SCHEDULE_KEYS = ("lr", "min_lr_ratio", "schedule", "warmup_steps", "wsd_decay_fraction")
+
+
+def schedule_record(cfg: Config) -> dict[str, Any]:
+    """What the LR schedule depends on: its optim fields and the run length."""
+    return {"optim": {k: getattr(cfg.optim, k) for k in _SCHEDULE_KEYS}, "train.steps": cfg.train.steps}
+
+
+def schedule_change(old: dict[str, Any], cfg: Config, step: int) -> str | None:
+    """A one-line warning when the schedule of the checkpoint's run differs from ``cfg``'s, else None."""
+    new = schedule_record(cfg)
+    if old == new:
+        return None
+    from k3train.optim.schedule import lr_at
+
+    changed = [f"train.steps {old['train.steps']} -> {new['train.steps']}"] if old["train.steps"] != new[
+        "train.steps"] else []
+    changed += [f"optim.{k} {old['optim'].get(k)} -> {v}" for k, v in new["optim"].items()
+                if old["optim"].get(k) != v]
+    try:
+        old_lr = lr_at(step, SimpleNamespace(**old["optim"]), old["train.steps"])
+        lr_note = f"{old_lr:.3e} under the old schedule"
+    except (TypeError, ValueError, AttributeError) as e:
+        lr_note = f"unknown under the old schedule ({e})"
+    new_lr = lr_at(step, cfg.optim, cfg.train.steps)
+    return (f"resuming at step {step} with a changed LR schedule ({', '.join(changed)}): the LR at step {step} "
+            f"is {new_lr:.3e} now, it was {lr_note}")

@@ -1,0 +1,73 @@
+"""Validation loss: ``train.eval_iters`` global batches of the dataset's validation split, forward only.
+
+Every ``train.eval_interval`` steps and at the end of training (``eval_interval: 0`` disables it) the trainer
+logs ``val_loss`` (and ``val_mtp_loss`` with an MTP layer): the token-weighted mean loss over the first
+``eval_iters * global_batch_size`` samples of the valid split -- the SAME samples at every evaluation, so the
+values are comparable along the run, and the same whatever the parallel layout (the global batches are cut
+into dp/cp micro-batches exactly as in training).
+
+What evaluation must not touch: gradients (``torch.no_grad``), the Quantile-Balancing statistics and biases
+and the QK-Clip maxima (the model is put in eval mode: routers and MLA only collect in training mode), the
+MoonEP dispatch metrics of the next training step (drained afterwards), the training data position and RNG.
+Under pipeline parallelism it runs the schedule's forward actions only (``runner.forward_only``); every rank
+joins the same p2p and the final all-reduce.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from parallel.pipeline.loss_norm import LossNorm
+
+
+class Evaluator:
+    """Owned by the trainer; construct on EVERY rank in the same order (the dataset build is collective)."""
+
+    def __init__(self, cfg: Any, dims: Any, pm: Any, comm_device: torch.device) -> None:
+        self.interval, self.iters = cfg.train.eval_interval, cfg.train.eval_iters
+        self.pm, self.dims, self.comm_device = pm, dims, comm_device
+        self.mtp = cfg.model.num_nextn_predict_layers > 0
+        # loss sums come from the last stage; only its ranks count tokens (each holds a distinct dp/cp slice)
+        self.counts_tokens = dims.pp == 1 or dims.pp_rank == dims.pp - 1
+        self.loader = None
+        if self.interval > 0:
+            from k3train.data import GlobalBatchLoader
+
+            self.loader = GlobalBatchLoader.from_dims(cfg, dims, split="valid")
+
+    def due(self, step: int, total_steps: int) -> bool:
+        return self.loader is not None and (step % self.interval == 0 or step == total_steps)
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """``{"val_loss"[, "val_mtp_loss"]}`` over the validation batches. Collective (world)."""
+        modules = self.pm.modules
+        was_training = [m.training for m in modules]
+        for m in modules:
+            m.eval()
+        sums = torch.zeros(4, dtype=torch.float64)  # lm loss, mtp loss, lm tokens, mtp tokens
+        norm = LossNorm(lm_tokens=1.0, mtp_tokens=1.0, mtp_weight=0.0)  # loss sums only; the scalar is unused
+        try:
+            self.loader.consumed_samples = 0
+            for _ in range(self.iters):
+                micro_batches = self.loader.next_step()
+                stats = self.pm.runner.forward_only(micro_batches, norm)
+                sums[0] += stats["lm_loss_sum"]
+                sums[1] += stats["mtp_loss_sum"]
+                if self.counts_tokens:
+                    sums[2] += float(sum(float(b.loss_mask.sum()) for b in micro_batches))
+                    sums[3] += float(sum(float(b.mtp_loss_mask.sum()) for b in micro_batches))
+        finally:
+            for m, t in zip(modules, was_training):
+                m.train(t)
+            self.pm.discard_step_statistics()
+        sums = sums.to(self.comm_device)
+        if dist.is_initialized():
+            dist.all_reduce(sums)
+        lm, mtp, lm_tok, mtp_tok = sums.tolist()
+        out = {"val_loss": lm / max(lm_tok, 1.0)}
+        if self.mtp:
+            out["val_mtp_loss"] = mtp / max(mtp_tok, 1.0)
+        return out
