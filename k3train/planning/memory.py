@@ -1,0 +1,675 @@
+"""Memory per pipeline stage and rank, estimated by running the project's own code on fake tensors.
+
+What is TRACED (the real code, under ``FakeTensorMode`` + :class:`~k3train.planning.known_data.KnownData`, bytes
+booked by :class:`~k3train.planning.live_bytes.LiveBytes`; nothing the size of the model is allocated):
+
+* each pipeline rank's real stage model: ``K3Model(cfg.model)`` built on fake tensors, pruned by
+  ``parallel.pipeline.stage.prune_to_stage``, routed experts sharded by ``moonep.shard.shard_experts``, cast by
+  ``k3train.parallelize.cast_params_to_bf16`` -> parameter bytes;
+* per local chunk, one micro-batch (``micro_batch_size x seq_len / cp`` tokens) through the runner's own
+  forward (``embed`` / ``forward_layers`` / ``loss_sums`` under ``run_maybe_recomputed``, so ``parallel.recompute``
+  and ``model.attn_res_recompute`` act as in training) and its backward: bytes saved for backward per chunk and
+  micro-batch, and the transient peak inside the forward and the backward. When the run's dataset can be read,
+  on its real micro-batches (the ones with the fewest and the most padded KDA chunks of steps 2-3; every other
+  micro-batch interpolated by its chunk count), else on one document per row. Long sequences (tokens x layers
+  over ``TRACE_BUDGET``: K3) trace each distinct layer alone at 1K/2K/4K tokens, fit a + bT + cT^2 exactly and
+  compose the chunk (:func:`trace_chunk`);
+* the optimizer update: ``muon_step_`` / ``adamw_step_`` on the largest owned parameters (Newton-Schulz
+  temporaries);
+* ownership: ``k3train.optim.param_groups.build_param_infos`` + ``k3train.optim.zero.assign_owners`` over the
+  layout's real group ranks (``parallel.dims.ParallelDims``, no process group) -> ZeRO-1/2 shares per rank.
+
+What is COMPUTED (distributed pieces cannot run without process groups; sizes from the code's own formulas):
+
+* the schedule walk: each pipeline rank's real program (``build_schedule`` + ``p2p.build_programs``: the order
+  of computes and receive posts); a micro-batch's saved bytes are held from its F to its B; gradients appear at
+  a chunk's first B and (ZeRO-2) shrink to the owned share after its last B; the optimizer step's peak
+  (gradients + the largest update's temporaries + the reduction bucket) is compared with the schedule's;
+* p2p: the AttnRes plan's payload per boundary (``AttnResCommPlan.payload``): received inputs kept until B,
+  incoming gradients during B;
+* EP (ep > 1): the expert layer runs locally on the rank's shard with ``N*k`` rows (what MoonEP computes; plain
+  EP's expectation under balanced routing); the persistent send/recv buffers from ``moonep.comm.token_buffer_rows``;
+  MoonEP replica weights (fresh ``[E/ep, l, f] x 3`` per MoE layer and call, saved for backward) per in-flight
+  micro-batch, and their gradients' reduce-back during B;
+* KCP: per KDA layer and micro-batch the gathered pairs ``cp*B*H*dk*(dk+dv)*4`` bytes (kept for the backward's
+  transposed fold); MLA-CP: the all-gathered latent prefix ``B*T*(kv_lora_rank+qk_rope_head_dim)`` per MLA layer.
+
+Assumptions: balanced routing (``KnownData``: what Quantile Balancing converges to); a scalar read from fake
+data is 0 (the KDA decay-span switch takes the lower-bounded gate's dense path). Not modelled: allocator
+rounding/fragmentation (add ~5-10% on GPU), NCCL workspaces, the data loader's few KiB.
+"""
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from k3train.config import Config
+from k3train.planning.known_data import KnownData
+from k3train.planning.live_bytes import LiveBytes
+
+CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
+
+
+@dataclass
+class ChunkTrace:
+    """One local chunk, one micro-batch: bytes alive after F (``saved``), transient above the live base
+    during F (``f_peak``) and during B (``b_peak``, on top of ``saved``)."""
+    chunk: int
+    stage: int
+    layers: tuple[int, int]
+    saved: int
+    f_peak: int
+    b_peak: int
+    recv: int = 0      # received activation payload (held until B)
+    grad_msg: int = 0  # incoming gradient payload (during B)
+    # traced on two real micro-batches: (saved, f_peak, b_peak) above are at seg_lo padded KDA chunks, ``hi`` at
+    # seg_hi; a micro-batch with n chunks is costed by linear interpolation (chunked KDA pads per document)
+    seg_lo: int = 0
+    seg_hi: int = 0
+    hi: tuple[int, int, int] | None = None
+
+    def at(self, segs: int | None) -> tuple[int, int, int]:
+        lo = (self.saved, self.f_peak, self.b_peak)
+        if self.hi is None or segs is None or self.seg_hi == self.seg_lo:
+            return lo
+        w = (segs - self.seg_lo) / (self.seg_hi - self.seg_lo)
+        return tuple(int(round(a + w * (b - a))) for a, b in zip(lo, self.hi))
+
+
+@dataclass
+class RankMemory:
+    rank: int
+    pp_rank: int
+    dp_rank: int
+    cp_rank: int
+    ep_rank: int
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    buffers: int
+    peak: int
+    peak_at: str = ""
+    measured_peak: int | None = None
+    detail: dict[str, int] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        if self.measured_peak is None:
+            d.pop("measured_peak")
+        return d
+
+
+@dataclass
+class Estimate:
+    layout: str
+    ranks: list[RankMemory]
+    stages: list[dict[str, Any]]
+    seconds: float
+
+    def as_json(self) -> dict[str, Any]:
+        return {"layout": self.layout, "seconds": round(self.seconds, 2), "stages": self.stages,
+                "ranks": [r.as_json() for r in self.ranks]}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# tracing helpers
+# --------------------------------------------------------------------------------------------------------------
+def _nbytes(tensors: Any) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            st = t.untyped_storage()
+            seen[id(st)] = st.nbytes()
+    return sum(seen.values())
+
+
+def trace_batch(cfg: Config, B: int, T: int) -> tuple[Any, str]:
+    """A synthetic micro-batch ``[B, T]``, one document per row (the least chunked-KDA padding), for runs
+    whose data cannot be read yet (planning) and the per-layer traces of long sequences."""
+    from k3train.data.batch import Batch
+
+    g = torch.Generator().manual_seed(0)
+    samples = torch.randint(3, max(4, cfg.model.vocab_size), (B, T + 1), generator=g)
+    samples[samples == cfg.model.eos_token_id] = 3
+    return (Batch.from_samples(samples, eos_id=cfg.model.eos_token_id, pad_id=cfg.model.pad_token_id),
+            "a synthetic (one document per row)")
+
+
+def data_microbatches(cfg: Config, dp_rank: int = 0, cp_rank: int = 0,
+                      steps: tuple[int, int] = (1, 3)) -> list[list[Any]] | None:
+    """This run's real micro-batches of steps ``steps`` (0-based, end exclusive: the 2nd and 3rd -- the steps
+    ``--measure`` takes its peak over; the first has no optimizer state yet) for one (dp, cp) rank, through the
+    project's loader; None when the dataset cannot be read (or sequences are over 64K tokens)."""
+    if cfg.train.seq_len > 65536:
+        return None
+    try:
+        from k3train.data.loader import GlobalBatchLoader
+
+        dp = max(1, cfg.train.global_batch_size // (cfg.train.micro_batch_size * cfg.train.grad_accum_steps))
+        loader = GlobalBatchLoader(cfg, dp_rank, dp, cp_rank, cfg.parallel.cp)
+        out = []
+        for step in range(steps[1]):
+            mbs = loader.next_step()
+            if step >= steps[0]:
+                out.append(mbs)
+        return out
+    except Exception:  # noqa: BLE001 - no dataset yet: the caller uses a synthetic batch
+        return None
+
+
+def segments(batch: Any, chunk: int = 64) -> int:
+    """KDA chunks of a micro-batch: every document segment padded to whole ``chunk``-token chunks -- what the
+    chunked KDA's buffers scale with (the only data-dependent sizes of a step)."""
+    from k3train.model.seq import cu_seqlens_from_doc_ids
+
+    lens = cu_seqlens_from_doc_ids(batch.doc_ids).diff()
+    return int(((lens + chunk - 1) // chunk).sum())
+
+
+class _ShardDispatcher:
+    """Stand-in for ``EPDispatcher`` at ep > 1 (no process group): the rank's expert shard computes the N*k
+    route rows locally, the routes folded onto the shard (``idx mod E/ep``), through the real LocalDispatcher."""
+
+    def __init__(self) -> None:
+        from k3train.model.moe import LocalDispatcher
+
+        self.local = LocalDispatcher()
+
+    def __call__(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor, experts: Any) -> Any:
+        return self.local(x, topk_idx % experts.num_experts, topk_weight, experts)
+
+
+def build_full(cfg: Config, ep: int, ep_rank: int, fake: FakeTensorMode) -> nn.Module:
+    """The whole model on fake tensors, experts sharded for ``ep_rank``, dtype cast, ``.grad`` pre-set (so a
+    trace books only the step's new tensors; the gradient bytes are counted from the parameters)."""
+    from k3train.model.model import K3Model
+    from k3train.parallelize import cast_params_to_bf16
+
+    with fake:
+        m = K3Model(cfg.model)
+        if ep > 1:
+            from moonep.shard import _latent_moes, shard_experts
+
+            for _, moe in _latent_moes(m):
+                shard_experts(moe.experts, ep, ep_rank)
+                moe.dispatcher = _ShardDispatcher()
+        if cfg.train.dtype == "bfloat16":
+            cast_params_to_bf16([m])
+        for p in m.parameters():
+            p.grad = torch.zeros_like(p)
+    m.train()
+    return m
+
+
+def build_stage(full: nn.Module, part: Any, pp_rank: int) -> nn.Module:
+    """This rank's real stage (``prune_to_stage``) as a shallow copy of ``full`` sharing its layer modules."""
+    import copy
+
+    from parallel.pipeline.stage import prune_to_stage
+
+    m = copy.copy(full)
+    m._modules = dict(full._modules)
+    m.layers = nn.ModuleDict(dict(full.layers.items()))
+    return prune_to_stage(m, part, pp_rank)
+
+
+def trace_range(cfg: Config, model: nn.Module, s: int, e: int, first: bool, last: bool, batch: Any,
+                fake: FakeTensorMode, recompute: bool) -> tuple[int, int, int]:
+    """Forward + backward of layers ``[s, e)`` (with the embedding when ``first``, the head + MTP when ``last``)
+    on one micro-batch, as ``PipelineRunner._forward/_backward`` (or ``LocalRunner._run``) run it, from the
+    canonical AttnRes input state of layer ``s``. Returns ``(saved, f_peak, b_peak)``: bytes alive after the
+    forward, and the peaks above the pre-forward live bytes during the forward and the backward."""
+    from k3train.model.attnres import AttnResState
+    from k3train.model.seq import SeqInfo
+    from parallel.pipeline.stage import run_maybe_recomputed
+
+    d, bs = cfg.model.hidden_size, cfg.model.attn_res_block_size
+    dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32
+    B, T = batch.tokens.shape
+    seq = SeqInfo.from_doc_ids(batch.doc_ids, batch.positions)
+    lb = LiveBytes()
+    with fake:
+        leaves: list[torch.Tensor] = []
+        if not first:
+            blocks = [torch.empty(B, T, d, dtype=dtype).requires_grad_() for _ in range(1 + s // bs)]
+            partial = torch.empty(B, T, d, dtype=dtype).requires_grad_() if s % bs else None
+            leaves = blocks + ([partial] if partial is not None else [])
+    with fake, KnownData(), lb:
+        base = lb.live
+
+        def run() -> Any:
+            state = (model.embed(batch.tokens) if first
+                     else AttnResState(blocks=list(leaves[:1 + s // bs]),
+                                       partial=leaves[-1] if s % bs else None))
+            state = model.forward_layers(state, s, e, seq)
+            return model.loss_sums(state, batch, seq) if last else state
+
+        lb.set_phase("forward")
+        out = run_maybe_recomputed(run, recompute)
+        lb.set_phase("saved")
+        saved = lb.live - base
+        f_peak = lb.phase_peak.get("forward", lb.live) - base
+        if last:
+            mtp_w = cfg.model.mtp_loss_weight if cfg.model.num_nextn_predict_layers else 0.0
+            roots, grads = [out["lm_loss_sum"] + mtp_w * out["mtp_loss_sum"]], [None]
+        else:
+            roots = [t for t in out.blocks[1 + s // bs:]] + ([out.partial] if out.partial is not None else [])
+            roots = [t for t in roots if t.requires_grad]
+            grads = [torch.empty_like(t) for t in roots]  # the received gradient payload
+        lb.set_phase("backward")
+        mark = lb.live
+        if roots:
+            torch.autograd.backward(roots, grads)
+        b_peak = lb.phase_peak.get("backward", mark) - base
+        del out, roots, grads
+    return saved, f_peak, b_peak
+
+
+# Above this many (tokens per micro-batch and rank) x (model layers) chunks are not traced whole: the cost of a
+# fake trace grows with both (chunked KDA's recurrence is one Python step per 64 tokens: a 64K-token K3 segment
+# would take hours of fake ops; 93 K3 layers at 4K tokens ~10 minutes on 2 cores). Instead each distinct layer
+# signature is traced alone at COMPOSE_TOKENS = 1K, 2K and 4K tokens, every byte count is fitted EXACTLY by
+# a + b T + c T^2 (memory is at most quadratic in T: the dense MLA attention), evaluated at the real T with the
+# quadratic term times cp (MLA-CP: keys from every segment up to the last rank's), and the layers of a chunk are
+# composed in order (forward peak: earlier layers' saved bytes + this layer's transient; backward in reverse).
+TRACE_BUDGET = 8192 * 16  # tokens x layers traced whole (tiny and small: whole chunks)
+COMPOSE_TOKENS = (1024, 2048, 4096)
+
+
+def _quadratic_at(ts: tuple[int, ...], ys: list[int], t: int, quad_scale: float) -> int:
+    (t1, t2, t3), (y1, y2, y3) = ts, ys
+    c = ((y3 - y2) / (t3 - t2) - (y2 - y1) / (t2 - t1)) / (t3 - t1)
+    b = (y2 - y1) / (t2 - t1) - c * (t1 + t2)
+    a = y1 - b * t1 - c * t1 * t1
+    return max(0, int(round(a + b * t + c * quad_scale * t * t)))
+
+
+def _compose(pieces: list[tuple[int, int, int]]) -> tuple[int, int, int]:
+    saved, f_peak, b_peak, prefix = 0, 0, 0, 0
+    for sv, f, b in pieces:
+        f_peak, b_peak = max(f_peak, prefix + f), max(b_peak, prefix + b)
+        prefix += sv
+        saved += sv
+    return saved, f_peak, b_peak
+
+
+def layer_signature(cfg: Config, i: int) -> tuple:
+    """Layers with equal signatures hold equal bytes (up to the AttnRes source count: the one with the most
+    sources is traced for all, an upper bound)."""
+    m, bs = cfg.model, cfg.model.attn_res_block_size
+    return (m.layer_kind(i), _layer_is_moe(cfg, i), i % bs == 0, (i + 1) % bs == 0)
+
+
+def trace_chunk(cfg: Config, model: nn.Module, part: Any, plan: Any, v: int, chunk: int, batch: Any,
+                fake: FakeTensorMode, cache: dict | None = None, batch_hi: Any = None) -> ChunkTrace:
+    """Virtual stage ``v`` on one micro-batch (see :func:`trace_range`; composed per layer above
+    ``TRACE_BUDGET``, ``cache`` holding the per-signature traces)."""
+    s, e = part.bounds[v]
+    first, last = v == 0, v == part.num_stages - 1
+    d = cfg.model.hidden_size
+    dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32
+    B, T = batch.tokens.shape
+    recompute = cfg.parallel.recompute
+    hi = None
+    if B * T * cfg.model.num_hidden_layers <= TRACE_BUDGET:
+        saved, f_peak, b_peak = trace_range(cfg, model, s, e, first, last, batch, fake, recompute)
+        if batch_hi is not None:
+            hi = trace_range(cfg, model, s, e, first, last, batch_hi, fake, recompute)
+    else:
+        cache = {} if cache is None else cache
+        L = cfg.model.num_hidden_layers
+        reps: dict[tuple, int] = {}
+        for i in range(L):  # the deepest layer of each signature (most AttnRes sources)
+            reps[layer_signature(cfg, i)] = i
+
+        def piece(key: tuple, a: int, b: int, fst: bool, lst: bool) -> tuple[int, int, int]:
+            if key not in cache:
+                ys = []
+                for t in COMPOSE_TOKENS:
+                    small, _ = trace_batch(cfg, B, t // B)
+                    ys.append(trace_range(cfg, model, a, b, fst, lst, small, fake, False))
+                cache[key] = [_quadratic_at(COMPOSE_TOKENS, [y[k] for y in ys], B * T, cfg.parallel.cp)
+                              for k in range(3)]
+            return tuple(cache[key])
+
+        pieces = []
+        if first:
+            pieces.append(piece(("embed",), 0, 0, True, False))
+        for i in range(s, e):
+            r = reps[layer_signature(cfg, i)]
+            pieces.append(piece(("layer",) + layer_signature(cfg, i), r, r + 1, False, False))
+        if last:
+            pieces.append(piece(("head",), L, L, False, True))
+        saved, f_peak, b_peak = _compose(pieces)
+        if recompute:  # the chunk keeps only its inputs; its backward re-runs the forward (already in b_peak)
+            saved, f_peak = 0, max(f for _, f, _ in pieces)
+    recv = plan_bytes(plan, v - 1, B, T, d, dtype) if not first else 0
+    grad_msg = plan_bytes(plan, v, B, T, d, dtype) if not last else 0
+    return ChunkTrace(chunk=chunk, stage=v, layers=(s, e), saved=saved, f_peak=f_peak, b_peak=b_peak,
+                      recv=recv, grad_msg=grad_msg, seg_lo=segments(batch, cfg.model.kda_chunk_size),
+                      seg_hi=segments(batch_hi if batch_hi is not None else batch, cfg.model.kda_chunk_size),
+                      hi=hi)
+
+
+def plan_bytes(plan: Any, boundary: int, B: int, T: int, d: int, dtype: torch.dtype) -> int:
+    """Bytes of the p2p payload across ``boundary`` for one micro-batch (AttnRes cached plan)."""
+    if plan is None or boundary < 0:
+        return 0
+    n = len(plan.payload(boundary).items())
+    return n * B * T * d * torch.empty((), dtype=dtype).element_size()
+
+
+def optimizer_transient(cfg: Config, infos: list[Any], owned: set[int], fake: FakeTensorMode,
+                        cache: dict[tuple, int]) -> int:
+    """Peak temporaries of one parameter update (the real ``muon_step_``/``adamw_step_`` on fake tensors) --
+    the update runs one parameter at a time, so the largest over the owned parameters (``cache``: per kind,
+    layout and shape)."""
+    from k3train.optim.muon import HParams, adamw_step_, muon_step_
+
+    hp = HParams.from_config(cfg.optim, 1e-3)
+    best = 0
+    for inf in infos:
+        if inf.index not in owned:
+            continue
+        key = (inf.kind, inf.layout, tuple(inf.param.shape), inf.heads, inf.segments, inf.param.dtype)
+        if key not in cache:
+            lb = LiveBytes()
+            with fake:
+                w = torch.empty(inf.param.shape, dtype=torch.float32)
+                st = [torch.zeros_like(w) for _ in range(2)]
+            step = torch.zeros(())  # real, as the optimizer keeps it (read on the host every step)
+            with fake, KnownData(), lb:
+                base = lb.live
+                g = inf.param.grad.float() if inf.param.grad is not None else torch.zeros_like(w)
+                if inf.kind == "muon":
+                    muon_step_(w, g, st[0], hp, inf)
+                else:
+                    adamw_step_(w, g, st[0], st[1], step, hp, inf.decay)
+                cache[key] = lb.peak - base
+        best = max(best, cache[key])
+    return best
+
+
+# --------------------------------------------------------------------------------------------------------------
+# analytic communication buffers
+# --------------------------------------------------------------------------------------------------------------
+def ep_buffers(cfg: Config, model: nn.Module, ep: int, B: int, T: int) -> tuple[int, int, int]:
+    """``(persistent token buffers, replica bytes per MoE layer and micro-batch, MoE layers held)``."""
+    from k3train.model.moe import LatentMoE
+    from moonep.comm import token_buffer_rows
+
+    moes = [m for m in model.modules() if isinstance(m, LatentMoE)]
+    if ep == 1 or not moes:
+        return 0, 0, len(moes)
+    m = cfg.model
+    es = 2 if cfg.train.dtype == "bfloat16" else 4
+    n = m.num_experts // ep
+    send, recv = token_buffer_rows(B * T, m.num_experts_per_token, ep, n, cfg.parallel.moonep)
+    persistent = (send + recv) * m.routed_expert_hidden_size * es
+    replica = 3 * n * m.routed_expert_hidden_size * m.moe_intermediate_size * es if cfg.parallel.moonep else 0
+    return persistent, replica, len(moes)
+
+
+def cp_buffers(cfg: Config, model: nn.Module, cp: int, B: int, T: int) -> tuple[int, int]:
+    """``(KCP pair bytes, MLA latent bytes)`` per micro-batch held for backward (whole local stage)."""
+    if cp == 1:
+        return 0, 0
+    m = cfg.model
+    held = [int(i) for i in model.layers.keys()]
+    n_kda = sum(1 for i in held if m.layer_kind(i) == "kda")
+    n_mla = len(held) - n_kda
+    dk, dv = m.kda_head_dim, m.kda_head_dim
+    pairs = n_kda * cp * B * m.kda_num_heads * dk * (dk + dv) * 4
+    es = 2 if cfg.train.dtype == "bfloat16" else 4
+    latent = n_mla * B * T * cp * (m.kv_lora_rank + m.qk_rope_head_dim) * es
+    return pairs, latent
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the schedule walk
+# --------------------------------------------------------------------------------------------------------------
+def walk_schedule(program: list[Any], traces: dict[int, ChunkTrace], grad_full: dict[int, int],
+                  grad_owned: dict[int, int], zero: int, per_mb_extra: dict[int, int],
+                  b_extra: dict[int, int], msg_bytes: Any, cached_grad: dict[int, int],
+                  mb_segs: list[int | None], timeline: list | None = None) -> tuple[int, int, int, str]:
+    """Walk this rank's real program (``parallel.pipeline.p2p.build_programs``: receives posted ahead, computes,
+    sends) holding what the runner holds: a received payload from its post to the B that consumes it, a
+    micro-batch's saved bytes from its F to its B, the gradients sent back until the next compute, the block-cache
+    gradients of earlier local chunks until their B. Returns ``(peak above params+optimizer+persistent buffers,
+    activations at the peak, gradients at the peak, action at the peak)``."""
+    computes = [ins.action for ins in program if ins.op == "compute"]
+    last_b = {a.chunk: i for i, a in enumerate(computes) if a.kind == "B"}
+    grads = {c: 0 for c in traces}
+    held, pending_send, cache_g = 0, 0, {}
+    best = (-1, 0, 0, "")
+    i = -1
+    for ins in program:
+        if ins.op == "recv":
+            held += msg_bytes(ins.msg)
+            continue
+        if ins.op == "send":
+            continue
+        i += 1
+        a = ins.action
+        tr = traces[a.chunk]
+        saved, f_peak, b_peak = tr.at(mb_segs[a.mb])
+        # gradients of the chunk's first B are created inside it (autograd keeps the fresh tensor as .grad): the
+        # trace's b_peak (run with .grad pre-set) already holds their size, so they count from the next action on
+        g = sum(grads.values())
+        if a.kind == "B" and grads[a.chunk] == 0:
+            grads[a.chunk] = grad_full[a.chunk]
+        live = held + pending_send + sum(cache_g.values())
+        if a.kind == "F":
+            cand = live + f_peak + per_mb_extra[a.chunk]
+        else:
+            # b_peak is measured from before this micro-batch's forward: it includes its own saved bytes
+            cand = live - saved + b_peak + b_extra[a.chunk]
+        if cand + g > best[0]:
+            best = (cand + g, cand, g, f"{a!r}")
+        if timeline is not None:
+            timeline.append((repr(a), live + g, cand + g))
+        pending_send = 0  # sends get one compute of slack (PipelineRunner.run_instr)
+        if a.kind == "F":
+            held += saved + per_mb_extra[a.chunk]
+        else:
+            held -= saved + per_mb_extra[a.chunk] + tr.recv + tr.grad_msg
+            pending_send = tr.recv
+            cache_g.pop((a.chunk, a.mb), None)
+            if cached_grad.get(a.chunk):
+                cache_g[(a.chunk - 1, a.mb)] = cached_grad[a.chunk]
+            if zero == 2 and last_b[a.chunk] == i:
+                grads[a.chunk] = grad_owned[a.chunk]
+    return best[0], best[1], best[2], best[3]
+
+
+# --------------------------------------------------------------------------------------------------------------
+def estimate(cfg: Config, world_size: int) -> Estimate:
+    """Per-rank memory of one training step of ``cfg`` on ``world_size`` ranks (see the module docstring)."""
+    from k3train.optim.param_groups import build_param_infos
+    from k3train.parallelize import ParallelModel
+    from k3train.optim.zero import assign_owners
+    from moonep.shard import mark_expert_params
+    from parallel.dims import ParallelDims
+    from parallel.pipeline.attnres_comm import AttnResCommPlan
+    from parallel.pipeline.partition import build_partition
+    from parallel.pipeline.schedules import build_schedule, resolve_schedule
+
+    t0 = time.perf_counter()
+    pc = cfg.parallel
+    dims0 = ParallelDims.from_config(pc, world_size, 0)
+    P, D, C, E = dims0.pp, dims0.dp, dims0.cp, dims0.ep
+    part = build_partition(cfg.model, pc, cfg.train.seq_len)
+    M = cfg.train.grad_accum_steps
+    B, T = cfg.train.micro_batch_size, cfg.train.seq_len // C
+    plan = AttnResCommPlan(part, pc.attnres_comm) if P > 1 else None
+    if P > 1:
+        from parallel.pipeline.p2p import build_programs
+
+        programs = build_programs(build_schedule(resolve_schedule(pc.schedule, P, part.vpp), P, part.vpp, M),
+                                  P, part.vpp)
+    else:
+        from parallel.pipeline.p2p import Instr
+        from parallel.pipeline.schedules import Action
+
+        programs = [[Instr("compute", action=Action(k, 0, m)) for m in range(M) for k in "FB"]]
+    es = 2 if cfg.train.dtype == "bfloat16" else 4
+    all_groups = dims0._enumerate_groups()
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    ranks: list[RankMemory] = []
+    batch, batch_hi, batch_src = None, None, ""
+    # document segments of every micro-batch of the costed steps, per (dp, cp) rank (rank (0, 0)'s for all when
+    # there are more than 16 data ranks)
+    rank_segs: dict[tuple[int, int], list[list[int | None]]] = {}
+    piece_cache: dict = {}
+    stages: list[dict[str, Any]] = []
+    full = build_full(cfg, E, 0, fake)
+    mark_expert_params(full)
+    for pp_rank in range(P):
+        model = build_stage(full, part, pp_rank)
+        # ownership over the real group ranks (identical for every pipeline of this stage)
+        infos = build_param_infos([model], cfg.optim,
+                                  functools.partial(ParallelModel.grad_group_fn, None))  # the trainer's groups
+        rank0 = dims0.rank_of(pp_rank, 0, 0)
+        for inf in infos:
+            inf.group_ranks = next(g for g in all_groups[inf.group] if rank0 in g)
+        if pc.zero >= 1:
+            assign_owners(infos, cfg.optim.ns_steps)
+        local_chunks = part.local_chunks(pp_rank)
+        from parallel.pipeline.stage import chunk_param_groups, shares_embedding
+
+        groups, shared = chunk_param_groups(model, part, pp_rank, shares_embedding(model, part))
+        if shared:
+            groups[0 if pp_rank == 0 else len(groups) - 1] += shared
+        traces = {}
+        if batch is None:
+            coords = [(d, c) for d in range(D) for c in range(C)] if D * C <= 16 else [(0, 0)]
+            data = {dc: data_microbatches(cfg, *dc) for dc in coords}
+            if all(data.values()) and tuple(data[(0, 0)][0][0].tokens.shape) == (B, T):
+                nch = functools.partial(segments, chunk=cfg.model.kda_chunk_size)
+                flat = sorted((mb for st in data.values() for step in st for mb in step), key=nch)
+                batch, batch_hi = flat[0], (flat[-1] if nch(flat[-1]) > nch(flat[0]) else None)
+                rank_segs = {dc: [[nch(mb) for mb in step] for step in st] for dc, st in data.items()}
+                batch_src = (f"the run's data (steps 2-3; {nch(flat[0])}-{nch(flat[-1])} padded KDA chunks "
+                             f"per micro-batch, interpolated)")
+            else:
+                batch, batch_src = trace_batch(cfg, B, T)
+            if B * T * cfg.model.num_hidden_layers > TRACE_BUDGET:
+                batch_src = (f"per-layer traces at {'/'.join(str(t) for t in COMPOSE_TOKENS)} tokens, fitted "
+                             f"and composed for {B * T} tokens (one document per row)")
+        for c in range(len(local_chunks)):
+            v = part.stage(pp_rank, c) if P > 1 else 0
+            traces[c] = trace_chunk(cfg, full, part, plan, v, c, batch, fake, piece_cache, batch_hi)
+        params = _nbytes(list(model.parameters())) + _nbytes(list(model.buffers()))
+        ep_persist, replica, n_moe = ep_buffers(cfg, model, E, B, T)
+        kcp_pairs, mla_lat = cp_buffers(cfg, model, C, B, T)
+        moe_per_chunk = {c: sum(1 for i in range(*local_chunks[c]) if _layer_is_moe(cfg, i))
+                         for c in range(len(local_chunks))}
+        n_layers = max(1, sum(e - s for s, e in local_chunks))
+        per_mb_extra = {c: moe_per_chunk[c] * replica
+                        + (kcp_pairs + mla_lat) * (local_chunks[c][1] - local_chunks[c][0]) // n_layers
+                        for c in traces}
+        b_extra = {c: replica for c in traces}  # the reduce-back of one layer's replica gradients
+        if pc.recompute:  # replicas, pairs and latents are re-made by the recomputation: held during B only
+            b_extra = {c: per_mb_extra[c] + replica for c in traces}
+            per_mb_extra = {c: 0 for c in traces}
+        p2p_bufs = 0  # receive/send buffers are walked with the program (in activations)
+        program = programs[pp_rank]
+        msg_bytes = functools.partial(_msg_bytes, plan, B * T * cfg.model.hidden_size * es)
+        cached_grad = {c: (plan.known_blocks(part.stage(pp_rank, c)) * B * T * cfg.model.hidden_size * es
+                           if plan is not None else 0) for c in traces}
+        by_id = {id(inf.param): inf for inf in infos}
+        owned_cache: dict[int, tuple] = {}
+        ns_cache: dict[tuple, int] = {}
+        for d in range(D):
+            for c in range(C):
+                rank = dims0.rank_of(pp_rank, d, c)
+                ep_rank = (d * C + c) % E
+                owned = {inf.index for inf in infos if pc.zero == 0 or inf.owner == rank}
+                step_segs = rank_segs.get((d, c), rank_segs.get((0, 0), [[None] * M]))
+                key = hash((frozenset(owned), str(step_segs)))
+                if key not in owned_cache:
+                    grad_full = {ci: _nbytes(g) for ci, g in enumerate(groups)}
+                    grad_owned = {ci: _nbytes([p for p in g if by_id[id(p)].index in owned])
+                                  for ci, g in enumerate(groups)}
+                    opt = 0
+                    for inf in infos:
+                        if inf.index in owned:
+                            n = inf.numel
+                            opt += n * 4 * (1 if inf.kind == "muon" else 2) + (4 if inf.kind != "muon" else 0)
+                            if inf.param.dtype != torch.float32:
+                                opt += n * 4
+                    ns_t = optimizer_transient(cfg, infos, owned, fake, ns_cache)
+                    peak_dyn, act, g_at, where = max(
+                        walk_schedule(program, traces, grad_full, grad_owned, pc.zero, per_mb_extra, b_extra,
+                                      msg_bytes, cached_grad, segs) for segs in step_segs)
+                    g_end = sum(grad_owned.values()) if pc.zero == 2 else sum(grad_full.values())
+                    step_peak = g_end + ns_t + _bucket_transient(infos, owned, pc.zero)
+                    owned_cache[key] = (opt, peak_dyn, act, g_at, where, step_peak, g_end)
+                opt, peak_dyn, act, g_at, where, step_peak, g_end = owned_cache[key]
+                bufs = ep_persist + p2p_bufs
+                if step_peak > peak_dyn:
+                    peak, where, grads_at, act_at = params + opt + bufs + step_peak, "optimizer step", g_end, 0
+                else:
+                    peak, grads_at, act_at = params + opt + bufs + peak_dyn, g_at, peak_dyn - g_at
+                ranks.append(RankMemory(rank=rank, pp_rank=pp_rank, dp_rank=d, cp_rank=c, ep_rank=ep_rank,
+                                        params=params, grads=grads_at, optimizer=opt, activations=act_at,
+                                        buffers=bufs, peak=peak, peak_at=where,
+                                        detail={"ep_token_buffers": ep_persist, "moonep_replicas_per_mb": replica,
+                                                "kcp_pairs_per_mb": kcp_pairs, "mla_cp_latent_per_mb": mla_lat,
+                                                "p2p": p2p_bufs, "moe_layers": n_moe}))
+        stages.append({"pp_rank": pp_rank, "chunks": [asdict(t) for t in traces.values()],
+                       "layers": [list(x) for x in local_chunks]})
+        del model
+    ranks.sort(key=lambda r: r.rank)
+    if piece_cache:  # per-signature bytes (saved, f_peak, b_peak) of the composed traces, for the report
+        stages.append({"pieces": {"/".join(str(x) for x in k): v for k, v in piece_cache.items()}})
+    layout = (f"world={world_size} pp={P} vpp={part.vpp} dp={D} cp={C} ep={E} zero={pc.zero} moonep={pc.moonep} "
+              f"recompute={pc.recompute} dtype={cfg.train.dtype} mbs={B} seq={cfg.train.seq_len} M={M}; "
+              f"traced on {batch_src} micro-batch")
+    return Estimate(layout=layout, ranks=ranks, stages=stages, seconds=time.perf_counter() - t0)
+
+
+def _msg_bytes(plan: Any, tensor_bytes: int, msg: Any) -> int:
+    return len(plan.payload(msg.stage).items()) * tensor_bytes
+
+
+def _layer_is_moe(cfg: Config, layer: int) -> bool:
+    m = cfg.model
+    return m.num_experts > 0 and layer >= m.first_k_dense_replace
+
+
+def _bucket_transient(infos: list[Any], owned: set[int], zero: int) -> int:
+    """The reduction's flat bucket copy (``DistributedOptimizer._launch``: up to 64 MiB, torch.cat)."""
+    cap = 64 * 2**20
+    biggest = max((inf.numel * inf.param.element_size() for inf in infos), default=0)
+    return min(cap, biggest) if zero < 2 else 0
+
+
+def format_table(est: Estimate, all_ranks: bool = False) -> str:
+    """Per pipeline stage: every rank (the worst one when a stage has more than 8, or all with ``all_ranks``),
+    per category in GiB (MiB when every peak is under 4 GiB)."""
+    big = max((r.peak for r in est.ranks), default=0) >= 4 * 2**30
+    unit, div = ("GiB", 2**30) if big else ("MiB", 2**20)
+    head = f"{'rank':>6} {'pp':>3} {'dp':>5} {'cp':>3} {'ep':>4} " + " ".join(f"{c:>11}" for c in CATEGORIES)
+    head += f" {'peak ' + unit:>9} {'measured':>9} {'err':>6}  at"
+    lines = [est.layout, head]
+    by_pp: dict[int, list[RankMemory]] = {}
+    for r in est.ranks:
+        by_pp.setdefault(r.pp_rank, []).append(r)
+    for pp, rs in sorted(by_pp.items()):
+        show = rs if all_ranks or len(rs) <= 8 else [max(rs, key=lambda r: r.peak)]
+        for r in show:
+            meas = f"{r.measured_peak / div:9.3f}" if r.measured_peak else f"{'':>9}"
+            err = f"{100 * (r.peak - r.measured_peak) / r.measured_peak:+5.1f}%" if r.measured_peak else ""
+            lines.append(f"{r.rank:>6} {r.pp_rank:>3} {r.dp_rank:>5} {r.cp_rank:>3} {r.ep_rank:>4} "
+                         + " ".join(f"{getattr(r, c) / div:11.3f}" for c in CATEGORIES)
+                         + f" {r.peak / div:9.3f} {meas} {err:>6}  {r.peak_at}")
+    return "\n".join(lines)
+

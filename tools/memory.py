@@ -1,0 +1,120 @@
+"""Memory per pipeline stage and rank: estimated by running the real code on fake tensors, optionally measured.
+
+    .venv/bin/python tools/memory.py --config configs/tiny.yaml --world-size 4 --parallel.pp=2 --parallel.vpp=2
+    .venv/bin/python tools/memory.py --config configs/k3.yaml --world-size 8192 --parallel.pp=16 ... --json
+    .venv/bin/python tools/memory.py --config configs/tiny.yaml --world-size 2 --parallel.pp=2 --measure
+
+Prints one row per rank (GiB per category: params, grads, optimizer, activations at the peak, comm buffers, peak
+and where it happens; the worst rank per stage when a stage has more than 8 ranks). ``--json`` prints one
+object with a ``ranks`` list of ``{rank, pp_rank, dp_rank, cp_rank, ep_rank, params, grads, optimizer,
+activations, buffers, peak}`` in bytes (``measured_peak`` with ``--measure``). ``--plot F.png``: a stacked bar
+per pipeline stage (its worst rank). ``--measure`` runs ``--steps`` real training steps of the same config and
+layout with torchrun on this machine (k3train.planning.measure) and reports the measured peak of live tensor
+bytes beside the estimate. What is traced and what is computed: k3train/planning/memory.py.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def run_measure(config: str, world: int, overrides: list[str], steps: int, timeout: float = 1800) -> dict[int, int]:
+    """Measured peak live tensor bytes per rank (real training steps under torchrun)."""
+    with tempfile.TemporaryDirectory(prefix="k3mem_") as tmp:
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+        env.update(WANDB_MODE="disabled", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"), PYTHONPATH=str(ROOT))
+        torchrun = Path(sys.executable).with_name("torchrun")
+        cmd = [str(torchrun), "--standalone", f"--nproc_per_node={world}", "-m", "k3train.planning.measure",
+               "--config", config, "--out", tmp, "--steps", str(steps), *overrides]
+        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        if p.returncode != 0:
+            raise RuntimeError(f"measure run failed (exit {p.returncode}):\n{p.stderr[-4000:]}")
+        out = {}
+        for f in Path(tmp).glob("rank*.json"):
+            rec = json.loads(f.read_text())
+            out[rec["rank"]] = rec["cuda_max_allocated"] or rec["peak"]
+        return out
+
+
+def plot(est, path: str) -> None:  # noqa: ANN001 - an Estimate
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from k3train.planning.memory import CATEGORIES
+
+    worst = {}
+    for r in est.ranks:
+        if r.pp_rank not in worst or r.peak > worst[r.pp_rank].peak:
+            worst[r.pp_rank] = r
+    stages = sorted(worst)
+    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(stages) + 3), 4.5))
+    bottom = [0.0] * len(stages)
+    for c in CATEGORIES:
+        vals = [getattr(worst[s], c) / 2**30 for s in stages]
+        ax.bar([str(s) for s in stages], vals, bottom=bottom, label=c)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    meas = [worst[s].measured_peak for s in stages]
+    if all(m is not None for m in meas):
+        ax.scatter([str(s) for s in stages], [m / 2**30 for m in meas], color="k", marker="_", s=400,
+                   label="measured peak", zorder=3)
+    ax.set_xlabel("pipeline rank (worst rank of the stage)")
+    ax.set_ylabel("GiB")
+    ax.set_title(est.layout.split(";")[0], fontsize=7)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="tools/memory.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--world-size", type=int, required=True)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--plot", default="")
+    ap.add_argument("--measure", action="store_true")
+    ap.add_argument("--steps", type=int, default=3, help="with --measure: real steps (peak from step 2 on)")
+    ap.add_argument("--all-ranks", action="store_true", help="print every rank (default: worst per stage "
+                                                             "when a stage has more than 8)")
+    args, overrides = ap.parse_known_args(argv)
+    from k3train.config import ConfigError, load_config
+    from k3train.planning.memory import estimate, format_table
+
+    try:
+        cfg = load_config(args.config, overrides, world_size=args.world_size)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"k3train: error: {e}", file=sys.stderr)
+        return 2
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("k3train: error: --plot needs matplotlib (.venv/bin/pip install matplotlib)", file=sys.stderr)
+            return 2
+    est = estimate(cfg, args.world_size)
+    if args.measure:
+        measured = run_measure(args.config, args.world_size, overrides, args.steps)
+        for r in est.ranks:
+            r.measured_peak = measured.get(r.rank)
+    if args.plot:
+        plot(est, args.plot)
+    if args.json:
+        print(json.dumps(est.as_json()))
+    else:
+        print(format_table(est, args.all_ranks))
+        print(f"(estimated in {est.seconds:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
