@@ -114,6 +114,13 @@ def run_training(cfg) -> int:  # noqa: ANN001 - a validated k3train.config.Confi
             print(f"k3train: error: {e}", file=sys.stderr, flush=True)
         return EXIT_TRAINING_STOPPED
     except BaseException as e:
+        from k3train.preflight import is_bad_input  # noqa: PLC0415
+
+        if is_bad_input(e):  # found while resuming (a damaged resume=PATH): every rank agreed on it (the
+            from k3train.dist_env import shutdown  # noqa: PLC0415 - verification is collective); one line, exit 2
+
+            shutdown()
+            return report_bad_input(str(e))
         rank = trainer.env.rank if trainer is not None else int(os.environ.get("RANK", "0"))
         line = watch.failure_line(e, rank)
         if line is None:

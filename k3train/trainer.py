@@ -26,7 +26,7 @@ import torch.distributed as dist
 from k3train.checkpoint import CheckpointManager, checkpoint_root, prepare_run_dir, step_dir_name
 from k3train.checkpoint.fingerprint import run_fingerprint, schedule_record
 from k3train.checkpoint.rng import get_rng_state, seed_everything, set_rng_state
-from k3train.config import Config
+from k3train.config import Config, ConfigError
 from k3train.dist_env import init_distributed, shutdown
 from k3train.evaluate import Evaluator
 from k3train.metrics import MetricsLogger, measure_peak_flops, memory_gib
@@ -111,8 +111,9 @@ class Trainer:
         candidates = self.ckpt.complete_checkpoints()[::-1] if mode == "auto" else [Path(mode)]
         path, damaged = self.ckpt.select(candidates)
         for bad, why in damaged:
-            if mode != "auto":
-                raise RuntimeError(f"checkpoint.resume: {bad} is damaged: {why}")
+            if mode != "auto":  # an explicit path is the user's choice: refuse (bad input), never fall back
+                raise ConfigError(f"checkpoint.resume: {bad} is damaged ({why}); pick another checkpoint or "
+                                  f"resume=auto (which falls back to the newest one that verifies)")
             moved = self.ckpt.quarantine(bad)
             log.warning("checkpoint %s is damaged (%s): moved to %s; %s", bad.name, why, moved.name,
                         f"resuming from {path.name}" if path else "no older checkpoint verifies")

@@ -102,6 +102,23 @@ def test_damaged_checkpoints_fall_back_to_the_newest_good_one(corpus_prefix, ref
     _same_losses(read_metrics(out), read_metrics(reference))
 
 
+def test_damaged_explicit_resume_path_is_one_line_exit_2(corpus_prefix, reference, tmp_path):
+    """resume=PATH names one checkpoint: a checksum failure (found after start-up, by the ranks' shared
+    verification) is refused in one line with exit 2 -- no fallback to another checkpoint, no traceback."""
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    shard = next(_ckpt(out, 8).glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x5A  # same size: only the checksum shows it
+    shard.write_bytes(bytes(data))
+    res = run_train(_args(corpus_prefix, out, f"--checkpoint.resume={_ckpt(out, 8)}", "--train.steps=10"))
+    assert res.returncode == 2, res.stderr[-3000:]
+    lines = _error_lines(res)
+    assert len(lines) == 1 and "checkpoint.resume:" in lines[0] and "step_00000008 is damaged" in lines[0], lines
+    assert "Traceback" not in res.stderr
+    assert _ckpt(out, 8).is_dir()  # an explicitly named checkpoint is left where it is
+
+
 def test_a_different_run_is_refused_naming_the_keys(corpus_prefix, at6, tmp_path):
     other = tmp_path / "other_data" / "kjv_copy"
     other.parent.mkdir()
