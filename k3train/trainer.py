@@ -133,8 +133,9 @@ class Trainer:
         return True
 
     def save_checkpoint(self) -> None:
-        self.nonfinite.assert_finite_state(self._tensor_state(), self.step)  # never a checkpoint with NaN/inf
-        self.ckpt.save(self.step, self._tensor_state(), self._rank_state(),
+        state = self._tensor_state()  # built once: under EP it wraps every expert tensor as a DTensor
+        self.nonfinite.assert_finite_state(state, self.step)  # never a checkpoint with NaN/inf
+        self.ckpt.save(self.step, state, self._rank_state(),
                        meta={"layout": self.dims.describe().split(";")[0], **self._ckpt_meta})
 
     # ------------------------------------------------------------------------------------------------------
