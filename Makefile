@@ -10,7 +10,7 @@ LAYOUT ?= --parallel.pp=2 --parallel.vpp=2
 ARGS   ?=
 DATA   := data_cache/corpus_text_document
 
-.PHONY: train test venv data clean count bench
+.PHONY: train test venv data clean count bench plot
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
@@ -23,16 +23,21 @@ data: $(DATA).bin
 $(DATA).bin: $(VENV)/.installed tools/prepare_data.py k3train/data/assets/kjv.txt.gz k3train/data/assets/tokenizer.json
 	$(PY) tools/prepare_data.py --shipped-corpus --output-prefix $(DATA)
 
+# `k3train train` validates once (bad input: one line, exit 2, nothing started), then launches torchrun
 train: venv data
-	$(PY) -m k3train.train --check --world-size $(NPROC) --config $(CONFIG) $(LAYOUT) $(ARGS)
-	WANDB_MODE=$${WANDB_MODE:-offline} OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) \
-		-m k3train.train --config $(CONFIG) $(LAYOUT) $(ARGS)
+	WANDB_MODE=$${WANDB_MODE:-offline} OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/k3train train \
+		--config $(CONFIG) --nproc $(NPROC) $(LAYOUT) $(ARGS)
 
 test: venv data
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests
 
 count: venv
-	$(PY) tools/count_params.py --config configs/k3.yaml
+	$(VENV)/bin/k3train count --config configs/k3.yaml
+
+# the curves of the `make train` run (RUNS: run directories to overlay)
+RUNS ?= runs/tiny
+plot: venv
+	$(VENV)/bin/k3train plot $(RUNS) -o docs/make_train_loss.png
 
 clean:
 	rm -rf runs data_cache

@@ -101,7 +101,9 @@ class ModelConfig:
     sign_update_rate: float = 1e-3
     # Block Attention Residuals
     attn_res_block_size: int = 12  # layers per block
-    attn_res_recompute: bool = True  # wrap AttnRes aggregation in activation checkpointing
+    attn_res_recompute: bool = True  # wrap AttnRes aggregation (standard residual: the pre-norm) in checkpointing
+    # residual stream: "attnres" (Block AttnRes, above) | "standard" (PreNorm h = h + f(norm(h)); the ablation)
+    residual: str = "attnres"
     # MTP
     num_nextn_predict_layers: int = 0
     mtp_loss_weight: float = 0.3
@@ -159,6 +161,9 @@ class TrainConfig:
     max_skipped_steps: int = 5
     eval_interval: int = 0  # validation loss every N steps and at the end of training; 0 = never
     eval_iters: int = 10  # global batches of the data's valid split per evaluation (the same ones every time)
+    # torch intra-op threads per CPU rank; 0 = OMP_NUM_THREADS if exported, else this process's cores shared among
+    # the ranks on its host (k3train/dist_env.py: choose_num_threads)
+    num_threads: int = 0
     # derived
     grad_accum_steps: int = field(default=0, metadata={"derived": True})
 
@@ -190,6 +195,12 @@ class DataConfig:
     path: str = "data_cache/corpus_text_document"  # Megatron indexed-dataset prefix (.bin/.idx)
     tokenizer: str = "k3train/data/assets/tokenizer.json"
     split: str = "98,2,0"
+    # the literal special tokens of data.tokenizer; their ids must equal model.bos/eos/pad/media_placeholder_token_id
+    # wherever a run reads the tokenizer (k3train/preflight.py: check_token_ids)
+    bos_token: str = "<|bos|>"
+    eos_token: str = "<|eos|>"  # appended to every document by tools/prepare_data.py
+    pad_token: str = "<|pad|>"
+    media_placeholder_token: str = ""  # "" = no vision placeholder (then model.media_placeholder_token_id = -1)
 
 
 @dataclass
@@ -300,6 +311,9 @@ class Config:
              "false (Kimi Linear's low-rank output gate) is not implemented; K3 uses the full-rank gate")
         need(not m.tie_word_embeddings, "model.tie_word_embeddings", "true is not supported (K3 unties them)")
         need(m.attn_res_block_size >= 1, "model.attn_res_block_size", "must be >= 1")
+        # residual stream (Block AttnRes or the standard PreNorm ablation)
+        need(m.residual in ("attnres", "standard"), "model.residual",
+             f"must be 'attnres' or 'standard', got {m.residual!r}")
         need(m.num_nextn_predict_layers in (0, 1), "model.num_nextn_predict_layers", "0 or 1 MTP layer")
         need(m.kv_lora_rank > 0, "model.kv_lora_rank", f"must be > 0, got {m.kv_lora_rank}")
         need(m.vocab_size > max(0, 1), "model.vocab_size", "must be > 1")
@@ -395,6 +409,9 @@ class Config:
                  "gives it weight 0 (e.g. data.split='98,2,0', or train.eval_interval=0)",
                  "train.eval_interval", "data.split")
 
+        # CPU threads per rank (k3train/dist_env.py)
+        need(t.num_threads >= 0, "train.num_threads", f"must be >= 0 (0 = automatic), got {t.num_threads}")
+
         # optim
         need(o.name in ("muon", "adamw"), "optim.name", f"must be 'muon' or 'adamw', got {o.name!r}")
         need(o.schedule in ("cosine", "wsd", "constant"), "optim.schedule", "must be 'cosine', 'wsd' or 'constant'")
@@ -409,6 +426,13 @@ class Config:
         need(o.ns_steps >= 1, "optim.ns_steps", f"must be >= 1, got {o.ns_steps}")
         need(0 <= o.wsd_decay_fraction <= 1, "optim.wsd_decay_fraction", "must be in [0, 1]")
         need(o.qk_clip_threshold >= 0, "optim.qk_clip_threshold", "must be >= 0 (0 disables QK-Clip)")
+
+        # token ids and their tokenizer names: the ids are compared with the tokenizer wherever a run reads it
+        # (k3train/preflight.py: check_token_ids); a meta-device tool (count, memory, plan) reads none
+        names = [self.data.bos_token, self.data.eos_token, self.data.pad_token]
+        need(all(names) and len(set(names)) == 3, "data.bos_token",
+             f"data.bos_token / eos_token / pad_token must be three different non-empty tokens, got {names}",
+             "data.bos_token", "data.eos_token", "data.pad_token")
 
         # data: the split string (one parser, shared with the dataset builder)
         parse_split(self.data.split, f" ({self.origin('data.split')})")

@@ -10,6 +10,7 @@ import math
 import logging
 import os
 import resource
+import socket
 import sys
 import time
 from pathlib import Path
@@ -39,11 +40,74 @@ def measure_peak_flops(device: torch.device, seconds: float = 0.3, n: int = 1024
     return 2 * n**3 * iters / (time.perf_counter() - t0)
 
 
+def peak_flops_cache_path(device: torch.device) -> Path:
+    """``~/.cache/k3train/peak_flops-<host>.json`` (``$XDG_CACHE_HOME`` for ``~/.cache``; ``$K3TRAIN_CACHE_DIR``
+    for the whole ``~/.cache/k3train``, e.g. the test suite's own): one file per machine."""
+    base = os.environ.get("K3TRAIN_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") \
+        / "k3train"
+    return Path(base) / f"peak_flops-{socket.gethostname()}.json"
+
+
+def _device_key(device: torch.device) -> str:
+    """What the measured peak depends on: the device model, and on CPU the intra-op threads of a rank."""
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return f"cpu:{torch.get_num_threads()}threads"
+
+
+def resolve_peak_flops(configured: float, device: torch.device) -> tuple[float, str]:
+    """The MFU denominator (FLOP/s per rank) and where it came from, stable for a machine so MFU compares
+    between runs: ``logging.peak_flops`` when set, else ONE measurement (:func:`measure_peak_flops`) cached per
+    host and device kind (:func:`peak_flops_cache_path`); delete the file to measure again."""
+    if configured:
+        return configured, "logging.peak_flops"
+    path, key = peak_flops_cache_path(device), _device_key(device)
+    try:
+        cache = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        cache = {}
+    entry = cache.get(key) if isinstance(cache, dict) else None
+    if isinstance(entry, dict) and float(entry.get("flops", 0)) > 0:
+        return float(entry["flops"]), f"measured {entry.get('when', '?')} for {key}, cached in {path}"
+    flops = measure_peak_flops(device)
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime())
+    cache = cache if isinstance(cache, dict) else {}
+    cache[key] = {"flops": flops, "when": when}
+    try:  # atomic: ranks measuring at the same time each write a whole file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(cache, indent=1))
+        os.replace(tmp, path)
+        where = f"cached in {path}"
+    except OSError as e:
+        where = f"not cached: {e}"
+    return flops, f"measured now for {key}, {where}"
+
+
 def memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     # ru_maxrss is KiB on Linux: the process's peak resident set
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+WANDB_ID_FILE = "wandb/k3train_run_id"  # inside the run's wandb dir: moved aside with it by checkpoint.overwrite
+
+
+def wandb_run_id(out_dir: Path, resumed: bool) -> str:
+    """One wandb run per training run: the id is kept in ``<out_dir>/wandb/k3train_run_id``; a resumed run
+    continues that wandb run (``resume="allow"``), a new one gets a new id."""
+    path = out_dir / WANDB_ID_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if resumed and path.is_file() and path.read_text().strip():
+        return path.read_text().strip()
+    import secrets  # noqa: PLC0415
+
+    rid = secrets.token_hex(4)  # wandb ids: 8 lowercase letters/digits, like wandb's own
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp.write_text(rid + "\n")
+    os.replace(tmp, path)
+    return rid
 
 
 class MetricsLogger:
@@ -69,7 +133,8 @@ class MetricsLogger:
                 import wandb  # imported lazily: it is slow to import and optional at run time
 
                 self.wandb = wandb.init(project=wandb_cfg.wandb_project, mode=mode, dir=str(out_dir),
-                                        config=run_config, resume="allow")
+                                        config=run_config, resume="allow",
+                                        id=wandb_run_id(out_dir, resume_step is not None))
 
     def _keep_until(self, resume_step: int) -> None:
         """Drop the records after ``resume_step`` (logged after the checkpoint by a run that then crashed, and
@@ -123,7 +188,10 @@ class MetricsLogger:
         print(line, flush=True)
 
     def close(self) -> None:
+        """Idempotent (the trainer closes before its run summary, so wandb's own report comes first)."""
         if self._f is not None:
             self._f.close()
+            self._f = None
         if self.wandb is not None:
             self.wandb.finish()
+            self.wandb = None

@@ -136,7 +136,7 @@ class NaNInjector:
             raise ConfigError(f"{INJECT_ENV}: module {spec.module!r} is not on this rank (its layers: {held})")
         self.handle = mods[spec.module].register_forward_hook(self._hook)
         log.warning("fault injection: NaN %s of %s at step %d%s", spec.where, spec.module, spec.step,
-                    " and later" if spec.onward else "")
+                    " and later" if spec.onward else "", extra={"rank_specific": True})  # only the injecting rank
 
     def _hook(self, mod: nn.Module, args: Any, out: Any) -> Any:
         if not mod.training or not self.spec.fires_at(self.step):  # training forwards only (not evaluation)

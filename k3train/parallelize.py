@@ -13,7 +13,6 @@ The model itself (``k3train/model``) is plain ``nn.Module``s; everything distrib
 from __future__ import annotations
 
 import logging
-import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -32,15 +31,21 @@ log = logging.getLogger(__name__)
 
 def make_seq_builder(cfg: Config, dims: ParallelDims) -> Callable[[Any], SeqInfo]:
     """``batch -> SeqInfo``; attaches a KCP context (collective over ``cp``) when context parallel is on."""
-    if dims.cp == 1:
+    return seq_builder(cfg, dims.cp, dims)
+
+
+def seq_builder(cfg: Config, cp: int, group: Any) -> Callable[[Any], SeqInfo]:
+    """``batch -> SeqInfo`` for a CP group of size ``cp`` (``group``: ParallelDims, a process group, or the memory
+    estimator's simulated group)."""
+    if cp == 1:
         return lambda b: SeqInfo.from_doc_ids(b.doc_ids, b.positions)
-    from k3train.ops.kda import chunk_kda
+    from k3train.ops.kda import layer_kda_op
     from kcp import KCPContext
 
-    kda_fn = functools.partial(chunk_kda, chunk_size=cfg.model.kda_chunk_size)  # the layer's chunking, exactly
+    kda_fn = layer_kda_op(cfg.model)  # the layer's op (chunking, gate bound), exactly
 
     def build(b: Any) -> SeqInfo:
-        return SeqInfo.from_doc_ids(b.doc_ids, b.positions, cp=KCPContext.from_batch(b, dims, kda_fn=kda_fn))
+        return SeqInfo.from_doc_ids(b.doc_ids, b.positions, cp=KCPContext.from_batch(b, group, kda_fn=kda_fn))
 
     return build
 
@@ -169,6 +174,34 @@ def cast_params_to_bf16(modules: list[nn.Module]) -> None:
                     p.data = p.data.to(torch.bfloat16)
 
 
+def moe_layers_held(modules: list[nn.Module]) -> tuple[int, int]:
+    """``(backbone MoE layers, MTP MoE layers)`` in this rank's modules (the pruned pipeline stage)."""
+    from k3train.model.moe import LatentMoE
+
+    names = [n for mod in modules for n, m in mod.named_modules() if isinstance(m, LatentMoE)]
+    mtp = sum(1 for n in names if n.startswith("mtp."))
+    return len(names) - mtp, mtp
+
+
+def log_moe_layers(modules: list[nn.Module], dims: ParallelDims, moonep: bool) -> None:
+    """Rank 0 logs how many MoE layers every pipeline rank holds (gathered over the default group: one collective
+    every rank joins once at build time), so the line agrees with the partition table on every stage."""
+    import torch.distributed as dist
+
+    mine = (dims.pp_rank if dims.pp > 1 else 0, *moe_layers_held(modules))
+    every = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+    if dims.rank != 0:
+        return
+    per_pp = {pr: (b, t) for pr, b, t in every}  # every dp/cp rank of a pipeline rank holds the same layers
+    held = ", ".join(f"pp rank {pr}: {b}" + (f" + {t} in the MTP layer" if t else "") for pr, (b, t) in
+                     sorted(per_pp.items()))
+    log.info("MoE layers held: %s; expert parallel ep=%d%s", held, dims.ep,
+             f", moonep={'on' if moonep else 'off'}" if dims.ep > 1 else " (experts not sharded)")
+
+
 def parallelize(cfg: Config, dims: ParallelDims, device: torch.device) -> ParallelModel:
     """Build this rank's part of the model with every parallel dimension applied (collective)."""
     runner = build_step_runner(None, cfg, dims, make_seq=make_seq_builder(cfg, dims), device=device,
@@ -178,6 +211,7 @@ def parallelize(cfg: Config, dims: ParallelDims, device: torch.device) -> Parall
         from moonep import apply_expert_parallel
 
         ep_state = apply_expert_parallel(runner.modules, dims, moonep=cfg.parallel.moonep)
+        log_moe_layers(runner.modules, dims, cfg.parallel.moonep)
     if cfg.train.dtype == "bfloat16":
         cast_params_to_bf16(runner.modules)
     flops = model_flops_per_token(cfg.model, cfg.train.seq_len)

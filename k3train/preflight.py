@@ -125,21 +125,48 @@ def splits_read(cfg: Config) -> list[str]:
 def check_data(cfg: Config) -> None:
     from k3train.data.corpus import DataError  # noqa: PLC0415
     from k3train.data.dataset import check_metadata, check_split_sizes, validate_indexed_dataset  # noqa: PLC0415
-    from k3train.data.tokenizer import load_tokenizer  # noqa: PLC0415
+    from k3train.data.tokenizer import load_config_tokenizer  # noqa: PLC0415
 
     tok_path = Path(cfg.data.tokenizer)
     if not tok_path.is_file():
         raise DataError(f"data.tokenizer: tokenizer file not found: {tok_path}")
-    tok = load_tokenizer(tok_path)
+    tok = load_config_tokenizer(cfg)
     if tok.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                           f"{tok.vocab_size} ids ({tok_path}) ({cfg.origin('model.vocab_size')})")
-    try:
-        info = validate_indexed_dataset(cfg.data.path, vocab_size=cfg.model.vocab_size)
+    check_token_ids(cfg, tok)
+    try:  # ids in the data beyond the TOKENIZER's vocabulary: the data was made with another tokenizer
+        info = validate_indexed_dataset(cfg.data.path, vocab_size=tok.vocab_size)
     except DataError as e:  # the message names the file; name the key too
         raise DataError(f"data.path: {e}") from None
     check_metadata(cfg.data.path, tok)
     check_split_sizes(info, cfg.data.split, cfg.train.seq_len, splits_read(cfg))
+
+
+# token ids: model.*_token_id against the tokenizer the run reads (not in Config.validate: the meta-device tools
+# load configs/k3.yaml, whose published ids belong to the Kimi tokenizer, without any tokenizer)
+TOKEN_ID_KEYS = (("bos_token_id", "bos_id", "data.bos_token"), ("eos_token_id", "eos_id", "data.eos_token"),
+                 ("pad_token_id", "pad_id", "data.pad_token"),
+                 ("media_placeholder_token_id", "media_id", "data.media_placeholder_token"))
+
+
+def check_token_ids(cfg: Config, tok) -> None:  # noqa: ANN001 - a k3train.data.tokenizer.TextTokenizer
+    """Every ``model.*_token_id`` must be the id the tokenizer gives its ``data.*_token`` (media: -1 when the
+    config names no media placeholder token). One error naming both values."""
+    m, d = cfg.model, cfg.data
+    for key, attr, name_key in TOKEN_ID_KEYS:
+        ours, theirs = getattr(m, key), getattr(tok, attr)
+        name = getattr(d, name_key.split(".")[1])
+        if theirs is None:  # no media placeholder token named
+            if ours != -1:
+                raise ConfigError(f"model.{key}={ours} but data.media_placeholder_token is not set, so the run's "
+                                  f"tokenizer ({tok.path}) has no media placeholder: set model.{key}=-1, or name "
+                                  f"the token ({cfg.origin('model.' + key)})")
+            continue
+        if ours != theirs:
+            raise ConfigError(f"model.{key}={ours} but data.tokenizer {tok.path} gives {name!r} ({name_key}) id "
+                              f"{theirs}: set model.{key}={theirs}, or use the tokenizer these ids belong to "
+                              f"({cfg.origin('model.' + key, name_key)})")
 
 
 def check_layout(cfg: Config) -> None:

@@ -26,13 +26,33 @@ PEER_WAIT_S = 60.0
 
 def report_bad_input(message: str) -> int:
     """The one ``k3train: error:`` line (global rank 0 only) for bad input; returns the exit code."""
+    line = f"k3train: error: {' '.join(str(message).split())}"
     if os.environ.get("RANK", "0") == "0":
-        print(f"k3train: error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+        print(line, file=sys.stderr, flush=True)
+        write_elastic_error_file(line)
     elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
         import time  # noqa: PLC0415
 
         time.sleep(PEER_WAIT_S)
     return EXIT_BAD_INPUT
+
+
+def write_elastic_error_file(line: str) -> None:
+    """Under torchrun, put our line in the worker's error file (``TORCHELASTIC_ERROR_FILE``): torchrun's failure
+    report then shows it as the root cause instead of a link to its docs. torchrun still prints that report (and
+    its own traceback) and exits 1 whenever a worker exits non-zero; ``k3train train`` validates before starting
+    torchrun, so bad input never gets that far there."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    import json  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": line, "timestamp": int(time.time())}, f)
+    except OSError:
+        pass  # the report only loses our line; the exit code and stderr line stand
 
 
 class _ArgumentParser(argparse.ArgumentParser):

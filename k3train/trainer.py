@@ -29,7 +29,8 @@ from k3train.checkpoint.rng import get_rng_state, seed_everything, set_rng_state
 from k3train.config import Config, ConfigError
 from k3train.dist_env import init_distributed, shutdown
 from k3train.evaluate import Evaluator
-from k3train.metrics import MetricsLogger, measure_peak_flops, memory_gib
+from k3train.metrics import MetricsLogger, memory_gib, resolve_peak_flops
+from k3train.run_summary import RunSummary, gather_peak_memory
 from k3train.nonfinite import NonFiniteGuard, step_is_finite
 from k3train.signals import StopRun, StopSignals, signal_name
 from k3train.parallelize import ParallelModel, parallelize
@@ -49,13 +50,28 @@ def _setup_logging(rank: int, level: str) -> None:
         root.addHandler(h)
     for noisy in ("megatron", "torch.distributed.checkpoint"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    if rank != 0:  # every rank reaches the same warnings: rank 0 prints them once
+        for h in root.handlers:
+            if not any(isinstance(f, _RankZeroWarnings) for f in h.filters):
+                h.addFilter(_RankZeroWarnings())
+
+
+class _RankZeroWarnings(logging.Filter):
+    """On ranks other than 0: drop WARNING records (rank 0 logs the same one) unless logged with
+    ``extra=RANK_SPECIFIC`` (k3train/dist_env.py: something only this rank saw). Errors always pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR or bool(getattr(record, "rank_specific", False))
 
 
 class Trainer:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        self.env = init_distributed(cfg.parallel.backend, cfg.train.device, cfg.parallel.collective_timeout_s)
+        self.env = init_distributed(cfg.parallel.backend, cfg.train.device, cfg.parallel.collective_timeout_s,
+                                    cfg.train.num_threads)
         _setup_logging(self.env.rank, cfg.logging.level)
+        if self.env.num_threads:
+            log.info("threads: %d per rank (%s)", self.env.num_threads, self.env.threads_reason)
         self.dims = ParallelDims.from_config(cfg.parallel, self.env.world_size, self.env.rank).build_groups(
             timeout_s=self.env.collective_timeout_s or None)  # every group gets parallel.collective_timeout_s
         log.info("layout: %s", self.dims.describe())
@@ -90,11 +106,22 @@ class Trainer:
             tmp = self.out_dir / f".config.yaml.tmp{os.getpid()}"
             cfg.save(tmp)
             os.replace(tmp, self.out_dir / "config.yaml")
-        self.peak_flops = cfg.logging.peak_flops or measure_peak_flops(self.env.device)
-        log.info("MFU denominator: %.1f GFLOP/s per rank (%s)", self.peak_flops / 1e9,
-                 "configured" if cfg.logging.peak_flops else "measured fp32 matmul at start-up")
+        self.peak_flops, peak_source = self._peak_flops()
+        log.info("MFU denominator: %.1f GFLOP/s per rank (%s)", self.peak_flops / 1e9, peak_source)
+        self.summary = RunSummary(cfg.train.global_batch_size * cfg.train.seq_len, self.peak_flops, peak_source)
         self.metrics = MetricsLogger(self.out_dir, self.env.is_main, cfg.logging, cfg.to_dict(),
                                      resume_step=self.step if resumed else None)
+
+    def _peak_flops(self) -> tuple[float, str]:
+        """Rank 0 resolves the MFU denominator (configured, or measured once per host and cached:
+        k3train/metrics.py) and broadcasts it, so every rank and every run on this machine uses the same one."""
+        flops, source = resolve_peak_flops(self.cfg.logging.peak_flops, self.env.device) if self.env.is_main \
+            else (0.0, "")
+        if dist.is_initialized() and self.env.world_size > 1:
+            t = torch.tensor([flops], dtype=torch.float64, device=self._comm_device)
+            dist.broadcast(t, src=0)
+            flops = float(t.item())
+        return flops, source
 
     # ------------------------------------------------------------------------------------------------------
     def _tensor_state(self) -> dict[str, Any]:
@@ -225,6 +252,7 @@ class Trainer:
             log.info("nothing to do: checkpoint is at step %d >= train.steps %d", self.step, total)
             return
         log.info("training steps %d..%d", self.step + 1, total)
+        t_start = time.perf_counter()
         # SIGTERM / SIGINT: stop at an agreed step boundary with a checkpoint (k3train/signals.py); close() uninstalls
         self._stop_signals = StopSignals(self.env.rank, self._comm_device, cfg.checkpoint.preempt_timeout_s,
                                          self._stop_deadline_line).install()
@@ -235,6 +263,7 @@ class Trainer:
             if self.evaluator.due(self.step, total):
                 rec.update(self.evaluator.evaluate())
             self.metrics.log(rec)
+            self.summary.add(rec)
             if (self.step % cfg.logging.log_interval == 0 or self.step == total or "val_loss" in rec
                     or rec.get("skipped")):
                 self.metrics.progress(rec, total)
@@ -248,6 +277,12 @@ class Trainer:
         if cfg.checkpoint.save_final or stop < total:
             self.save_checkpoint()
         self.ckpt.wait()
+        mem = gather_peak_memory(memory_gib(self.env.device), self.env.device)  # collective: every rank
+        self.metrics.close()  # wandb's end-of-run report first, then ours
+        if self.env.is_main:
+            last = self.ckpt.latest()
+            for line in self.summary.lines(time.perf_counter() - t_start, mem, str(last) if last else "none"):
+                print(line, flush=True)
 
     def _stop_at_boundary(self, signum: int) -> None:
         """All ranks agreed to stop after this step: checkpoint it (before the stop deadline) and raise StopRun."""

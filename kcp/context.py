@@ -5,9 +5,12 @@ layer calls ``seq.cp.gather_latent``; all communication happens here, over the C
 :class:`parallel.dims.ParallelDims` (``dims.group('cp')``).
 
 Construction is collective over the CP group (every CP rank must build the context for the same micro-batch):
-one tiny all-gather of the local shape, then one all-gather of the local ``doc_ids`` and ``positions``
-(``2 * B * T`` int64 per rank per micro-batch). From those, every rank knows every segment's document layout, so
-the fold plans, the halo's previous doc ids and the MLA key doc ids / positions need no further communication.
+one tiny all-gather of the local shape, then one all-gather of each rank's segment edge summary (``[B, 5]``
+int64: first / last doc id, last document start, first position, a well-formed flag; :mod:`kcp.edges`) -- not of
+every token's doc id and position. From those, every rank knows what it needs of every segment's document
+layout: the fold plans, the halo's previous doc ids and the MLA key doc ids / positions need no further
+communication (earlier segments' doc ids are exact for the document this segment opens with, the only one that
+reaches back across the boundary, and -1 elsewhere).
 
 Hang safety: every collective below runs on every CP rank at the same point of the layer, whatever the local
 data; the exchanges' backward collectives are tied into the op outputs (:func:`kcp.comm.tie`), and the halo of a
@@ -23,7 +26,8 @@ import torch
 from torch import Tensor
 
 from kcp.comm import CommStats, all_gather_stacked, group_size_rank, tie
-from kcp.fold import FoldPlan, SegmentDocs, plan_fold
+from kcp.edges import SegmentEdges, local_edges
+from kcp.fold import FoldPlan, plan_fold
 from kcp.halo import conv_halo, halo_doc_ids
 from kcp.kda_cp import kcp_chunk_kda
 from kcp.mla_cp import gather_latent_prefix
@@ -69,16 +73,18 @@ class KCPContext:
         if not bool((shapes == shapes[0]).all()):
             raise ValueError(f"KCPContext: every CP rank must hold a [B, T] segment of the same shape, got "
                              f"{shapes.tolist()} (is the sequence length divisible by cp?)")
-        both = all_gather_stacked(torch.stack([doc_ids, positions.long()]), self.group, self.stats, "layout")
-        self.doc_ids_all, self.positions_all = both[:, 0], both[:, 1]  # [cp, B, T]
+        positions = positions.long()
+        gathered = all_gather_stacked(local_edges(doc_ids, positions), self.group, self.stats, "layout")
+        self.edges = SegmentEdges.from_gathered(gathered.cpu(), T)  # raises on every rank alike
         self.B, self.T = B, T
         self.layout = LocalLayout.from_doc_ids(doc_ids)
-        self.docs = SegmentDocs.from_doc_ids(self.doc_ids_all.cpu())
+        self.docs = self.edges.segment_docs()
         self.plan: FoldPlan = plan_fold(self.docs, self.rank)
         r = self.rank
         self._halos: list[Tensor] = []  # conv halos not yet tied into a KDA output (see the module docstring)
-        self.key_doc_ids = self.doc_ids_all[: r + 1].permute(1, 0, 2).reshape(B, (r + 1) * T)
-        self.key_positions = self.positions_all[: r + 1].permute(1, 0, 2).reshape(B, (r + 1) * T)
+        self.seen_doc_ids = self.edges.seen_doc_ids(r, doc_ids)  # [r+1, B, T] segments 0..r as this rank sees them
+        self.key_doc_ids = self.seen_doc_ids.permute(1, 0, 2).reshape(B, (r + 1) * T)
+        self.key_positions = self.edges.positions(r, doc_ids.device).permute(1, 0, 2).reshape(B, (r + 1) * T)
         logger.debug("%r: chain rows fold=%s", self, self.plan.fwd_b.sum(0).tolist())
 
     # ------------------------------------------------------------------------------------------------------
@@ -96,7 +102,7 @@ class KCPContext:
         self._check_bt(x, "conv_halo")
         if n < 0:
             raise ValueError(f"KCPContext.conv_halo: halo width n={n} must be >= 0")
-        prev_doc = halo_doc_ids(self.doc_ids_all, self.rank, n).to(x.device)
+        prev_doc = halo_doc_ids(self.seen_doc_ids, self.rank, n).to(x.device)
         prev, prev_doc = conv_halo(x, n, prev_doc, self.group, self.stats)
         if prev.requires_grad:
             self._halos.append(prev)

@@ -39,7 +39,9 @@ def halo_window(tails: Tensor, rank: int, n: int, fill: float | int) -> Tensor:
 
 
 def halo_doc_ids(doc_ids_all: Tensor, rank: int, n: int) -> Tensor:
-    """``doc_ids_all [cp, B, T]`` (every rank's doc ids) -> ``[B, n]`` doc ids of ``rank``'s halo (-1: none)."""
+    """``doc_ids_all [>= rank, B, T]`` (the doc ids of segments 0..rank-1 at least, as ``rank`` sees them:
+    :meth:`kcp.edges.SegmentEdges.seen_doc_ids`) -> ``[B, n]`` doc ids of ``rank``'s halo (-1: none, or a token
+    of no document of this segment)."""
     m = min(n, doc_ids_all.shape[-1])
     return halo_window(doc_ids_all[..., doc_ids_all.shape[-1] - m:], rank, n, -1)
 

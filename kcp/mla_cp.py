@@ -35,7 +35,9 @@ def gather_latent_prefix(latent: Tensor, key_doc_ids: Tensor, key_positions: Ten
     """All-gather this rank's MLA latents over the CP group, keep the causal prefix.
 
     Args: latent ``[B, T, L]``; key_doc_ids / key_positions ``[B, (r+1)*T]`` the prefix's doc ids and row
-    positions (precomputed once per micro-batch by :class:`kcp.KCPContext`).
+    positions (precomputed once per micro-batch by :class:`kcp.KCPContext` from the segment edge summaries,
+    :mod:`kcp.edges`: earlier segments' keys carry their exact id where they belong to the document this rank's
+    segment opens with -- the only one a local query can share -- and -1 elsewhere; positions are exact).
     Returns ``(latent_prefix [B, (r+1)*T, L], key_doc_ids, key_positions)``; mask with
     ``key_pos <= query_pos and key_doc == query_doc``. Collective over ``group`` (all-gather fwd, reduce-scatter bwd).
     """

@@ -8,6 +8,7 @@ Public API:
     sync_router_balance(model, dims) -> metrics                               QB statistics all-reduce + bias step
     collect_moonep_metrics(modules) -> metrics                                per-layer load / replicas / bytes
     EPDispatcher                                                              the dispatcher (LocalDispatcher API)
+    ReplicaPool                                                               replica banks shared by all MoE layers
     plan_redundant_experts, plan_static, split_tokens, bounds                 the pure planner
 """
 from moonep.comm import CommBuffers, all_to_all_autograd, token_buffer_rows
@@ -23,6 +24,7 @@ from moonep.planner import (
     split_tokens,
 )
 from moonep.qb_sync import all_reduce_router_stats, sync_router_balance
+from moonep.replica_pool import ReplicaPool
 from moonep.shard import (
     ExpertParallelState,
     apply_expert_parallel,
@@ -35,7 +37,8 @@ from moonep.shard import (
 )
 
 __all__ = [
-    "CommBuffers", "EPDispatcher", "ExpertParallelState", "Plan", "all_reduce_router_stats", "all_to_all_autograd",
+    "CommBuffers", "EPDispatcher", "ExpertParallelState", "Plan", "ReplicaPool", "all_reduce_router_stats",
+    "all_to_all_autograd",
     "apply_expert_parallel", "as_expert_dtensor", "collect_moonep_metrics", "dcp_state_dict", "gather_full_experts",
     "is_expert_param", "mark_expert_params", "param_reduce_group", "plan_redundant_experts", "plan_static",
     "redundancy_lower_bound", "redundancy_upper_bound", "replica_lower_bound", "split_tokens",

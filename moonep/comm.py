@@ -28,8 +28,8 @@ class CommBuffers:
     """Grow-only persistent 2-D buffers keyed by ``(name, dtype, width, device)``; ``get`` returns a row view.
 
     ``grows`` counts reallocations of the token buffers (``send``/``recv``), which are reserved at their worst case
-    and should never grow; other buffers (the reduce-back receive buffer, whose need is plan-dependent) grow to the
-    largest size seen."""
+    and should never grow; any other name grows to the largest size seen. (The replica weights live in
+    :class:`moonep.replica_pool.ReplicaPool`; the reduce-back receives into per-round buffers it frees.)"""
 
     SIZED_UP_FRONT = ("send", "recv")
 
@@ -44,7 +44,7 @@ class CommBuffers:
             if buf is not None and name in self.SIZED_UP_FRONT:
                 self.grows += 1
                 logger.warning("moonep: %s buffer grows from %d to %d rows (width %d)", name, buf.shape[0], rows,
-                               width)
+                               width, extra={"rank_specific": True})  # per rank: not dropped off rank 0
             self._bufs[key] = torch.empty(rows, width, dtype=dtype, device=device)
 
     def get(self, name: str, rows: int, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -8,18 +8,24 @@ Forward of one call (every EP rank runs the same collectives in the same order):
 
 1. ``bincount`` of the routes -> async all-gather of ``[E]`` counts (``R*E`` ints); meanwhile each route's rank
    within its expert is computed locally.
-2. Plan (:mod:`moonep.planner`, identical on all ranks) and this rank's index layout (:mod:`moonep.layout`).
+2. Plan (identical on all ranks) and this rank's index layout (:mod:`moonep.fast_layout`: the counts' copy
+   to the host is the dispatch's one synchronisation; no ``[R, R, E]`` array, no sort).
 3. Latent rows (width ``l``, not ``d``) are gathered into the persistent send buffer in destination order and
-   all-to-all'ed (async); the replica weights are prefetched point-to-point at the same time (MoonEP).
+   all-to-all'ed (async); the replica weights are prefetched point-to-point at the same time (MoonEP) into a
+   bank of the replica pool shared by all MoE layers (:mod:`moonep.replica_pool`).
 4. The received rows are permuted into compute order (own experts, then replica slots); own experts are computed
    while the prefetch finishes, then the replicas (two ``grouped_expert_ffn`` calls).
 5. Reverse all-to-all of the outputs (combine); the ``k`` outputs per token are mixed with ``topk_weight``
    on the source rank, so the router's gradient stays local.
 
 Backward (one custom autograd Function for steps 1-5, so every rank calls every collective in a fixed order even
-when it received no tokens): reverse all-to-all of the output grads; replica FFN backward first, whose weight
-grads start travelling home (:mod:`moonep.grad_reduce`) while the own-expert backward runs; the input grads go
-back by all-to-all, overlapped with the reduce-back; the owner adds the replica grads to its shard grads.
+when it received no tokens): the replicas are fetched again into a pool bank (unless a bank still holds them, or
+the previous layer's backward fetched them ahead), overlapped with the reverse all-to-all of the output grads;
+then the replicas of the MoE layer whose backward comes next start travelling into the other bank; replica FFN
+backward first, whose weight grads start travelling home (:mod:`moonep.grad_reduce`, in rounds with a bounded
+receive buffer) while the own-expert backward runs; the input grads go back by all-to-all, overlapped with the
+reduce-back; the owner adds the replica grads to its shard grads. Nothing of the replicas is kept from forward to
+backward but the replica FFN's activations (graph mode), whose saved weights point into the pool by reference.
 
 Shapes: with MoonEP every rank computes exactly ``N*k`` rows (equal ``N``), whatever the routing; without it the
 count varies (up to ``R*N*min(k, n)``). Reference: ``LocalDispatcher`` / ``latent_moe_reference`` of
@@ -31,15 +37,16 @@ import contextlib
 import logging
 from typing import Any
 
-import numpy as np
 import torch
 
 from moonep.comm import CommBuffers, all_gather_counts, all_to_all_rows, token_buffer_rows, wait_all
-from moonep.grad_reduce import finish_reduce_back, start_reduce_back
-from moonep.layout import RankLayout, build_rank_layout, inverse_permutation, local_route_positions
+from moonep.fast_layout import counts_to_host, fast_rank_layout, plan_with_takes
+from moonep.grad_reduce import ReduceBack
+from moonep.layout import RankLayout, inverse_permutation, local_route_positions
 from moonep.metrics import DispatchRecord, LayerMetrics
-from moonep.planner import Plan, make_plan
-from moonep.prefetch import start_prefetch, weight_bytes_per_replica
+from moonep.planner import Plan
+from moonep.prefetch import weight_bytes_per_replica
+from moonep.replica_pool import BankHolder, ReplicaJob, ReplicaPool, bank_saved_tensor_hooks
 
 logger = logging.getLogger(__name__)
 
@@ -66,13 +73,15 @@ class EPDispatcher:
 
     ``num_experts``: global E; ``ep_group`` / ``ep_ranks`` (global ranks in EP order) / ``ep_rank``: this rank's
     EP group; ``weight_group``: process group on the same ranks for the replica weights (defaults to
-    ``ep_group``); ``buffers``: persistent token buffers shared by all dispatchers of a model; ``name``: the
-    layer's FQN for metrics; ``impl``: ``grouped_expert_ffn``'s implementation.
+    ``ep_group``); ``buffers``: persistent token buffers shared by all dispatchers of a model; ``pool``: the
+    replica pool shared by them; ``chunk`` / ``order``: the model chunk and the dispatcher's MoE-layer index in
+    forward order (a layer prefetches the replicas of ``order - 1`` of its chunk for the backward that follows its
+    own); ``name``: the layer's FQN for metrics; ``impl``: ``grouped_expert_ffn``'s implementation.
     """
 
     def __init__(self, *, num_experts: int, ep_group: Any, ep_ranks: list[int], ep_rank: int, moonep: bool = True,
                  weight_group: Any = None, buffers: CommBuffers | None = None, name: str = "",
-                 impl: str = "auto") -> None:
+                 impl: str = "auto", pool: ReplicaPool | None = None, chunk: int = 0, order: int = 0) -> None:
         if num_experts % len(ep_ranks) != 0:
             raise ValueError(f"EPDispatcher: num_experts={num_experts} not divisible by ep={len(ep_ranks)}")
         self.num_experts, self.ep, self.ep_rank = num_experts, len(ep_ranks), ep_rank
@@ -81,6 +90,8 @@ class EPDispatcher:
         self.weight_group = weight_group if weight_group is not None else ep_group
         self.moonep, self.name, self.impl = moonep, name, impl
         self.buffers = buffers if buffers is not None else CommBuffers()
+        self.pool = pool if pool is not None else ReplicaPool()
+        self.chunk, self.order = chunk, order
         self.metrics = LayerMetrics()
         self.last_plan: Plan | None = None
 
@@ -135,32 +146,35 @@ class EPDispatcher:
         self.buffers.reserve("recv", recv_cap, width, dt, dev)
         wait_all([handle])
 
-        # 2. plan + layout (host-side, tiny)
-        counts_by_src = gathered.view(R, E).cpu().numpy().astype(np.int64)
-        plan = make_plan(counts_by_src.sum(0), R, self.moonep)
-        lay = build_rank_layout(plan, counts_by_src, me, topk_idx, local=local)
+        # 2. plan + layout: the counts' copy to the host is the one synchronisation
+        counts_by_src = counts_to_host(gathered, R)
+        plan, takes = plan_with_takes(counts_by_src.sum(0), R, self.moonep)
+        lay = fast_rank_layout(plan, takes, counts_by_src, me, local[2])
         self.last_plan = plan
 
-        # 3. token all-to-all (async) + replica prefetch (async, other group)
+        # 3. token all-to-all (async) + replica prefetch into a pool bank (async, other group)
         send = self.buffers.get("send", n_tok * k, width, dt, dev)
         torch.index_select(x, 0, lay.send_order // k, out=send)
         recv = self.buffers.get("recv", lay.recv_rows, width, dt, dev)
         h_tok = all_to_all_rows(recv, send, lay.recv_splits, lay.send_splits, self.ep_group, async_op=True)
         w_data = tuple(w.detach() for w in weights)
-        replicas, h_w = (start_prefetch(lay, w_data, self.weight_group, self.ep_ranks, n) if self.moonep
-                         else (None, []))
+        job = ReplicaJob(lay, w_data, self.weight_group, self.ep_ranks, n, chunk=self.chunk, order=self.order)
+        replicas, h_w = self.pool.fill_forward(job) if self.moonep else (None, [])
         wait_all([h_tok])
 
         # 4. expert compute: own experts while the prefetch finishes, then the replicas. Without saved-tensor
-        #    hooks the FFN graph is kept for backward; under activation checkpointing the inputs are saved instead
-        #    (recomputed -- replicas re-prefetched -- by the checkpoint) and the FFN is re-run in backward.
+        #    hooks the FFN graphs are kept for backward (the replica graph's saved weights by reference into the
+        #    pool); under activation checkpointing the inputs are saved instead (recomputed by the checkpoint) and
+        #    the FFNs are re-run in backward.
         graph_mode = need_grad and not _saved_tensor_hooks_active()
         x_sorted = recv.index_select(0, lay.recv_perm)  # the copy out of the comm buffer
         own = self._ffn(x_sorted[:lay.own_rows], lay.own_offsets(dev), w_data, act, graph_mode)
         wait_all(h_w)
-        rep = None
+        rep, holder = None, None
         if self.moonep:
-            rep = self._ffn(x_sorted[lay.own_rows:], lay.replica_offsets(dev), replicas, act, graph_mode)
+            holder = BankHolder()
+            with bank_saved_tensor_hooks(replicas, holder) if graph_mode else contextlib.nullcontext():
+                rep = self._ffn(x_sorted[lay.own_rows:], lay.replica_offsets(dev), replicas, act, graph_mode)
         y_sorted = torch.cat([own[2].detach()] + ([rep[2].detach()] if rep is not None else []))
 
         # 5. combine: back to source-major order, reverse all-to-all, back to flat route order
@@ -173,14 +187,17 @@ class EPDispatcher:
 
         if need_grad:
             ctx.lay, ctx.inv_perm, ctx.shape, ctx.act = lay, inv_perm, (n_tok, k, width), act
-            ctx.graph_mode = graph_mode
+            ctx.graph_mode, ctx.job, ctx.holder = graph_mode, job, holder
+            if self.moonep and not _in_backward_pass():
+                self.pool.link(job)  # a recomputed forward's job is not the one its backward uses
             if graph_mode:
                 ctx.own, ctx.rep = own, rep
             else:
-                ctx.save_for_backward(x_sorted, *weights, *(replicas if self.moonep else ()))
+                ctx.save_for_backward(x_sorted, *weights)
         if not _in_backward_pass():
             row_bytes = width * x.element_size()
-            self.metrics.add(DispatchRecord.from_plan(plan, lay.split, row_bytes, weight_bytes_per_replica(w_data)))
+            self.metrics.add(DispatchRecord.from_plan(plan, None, row_bytes, weight_bytes_per_replica(w_data),
+                                                      cross_rows=lay.cross_rows))
         return y_routes
 
     def _backward(self, ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -188,14 +205,13 @@ class EPDispatcher:
         n_tok, k, width = ctx.shape
         dev, dt = grad.device, grad.dtype
         n = self.experts_per_rank
-        if not ctx.graph_mode:  # rebuild the FFN graphs from the saved inputs (activation checkpointing)
-            x_sorted, *saved_w = ctx.saved_tensors
-            ctx.own = self._ffn(x_sorted[:lay.own_rows], lay.own_offsets(dev), tuple(saved_w[:3]), ctx.act, True)
-            if self.moonep:
-                ctx.rep = self._ffn(x_sorted[lay.own_rows:], lay.replica_offsets(dev), tuple(saved_w[3:]), ctx.act,
-                                    True)
+        job: ReplicaJob = ctx.job
+        if not ctx.graph_mode:  # rebuild the own FFN graph from the saved inputs (activation checkpointing);
+            x_sorted, *saved_w = ctx.saved_tensors  # unpacking may recompute the forward: before taking a bank
+            ctx.own = self._ffn(x_sorted[:lay.own_rows], lay.own_offsets(dev), tuple(saved_w), ctx.act, True)
+        bank, h_w = self.pool.acquire_backward(job) if self.moonep else (None, [])
 
-        # reverse combine: output grads travel to the ranks that computed the routes
+        # reverse combine: output grads travel to the ranks that computed the routes (replicas meanwhile)
         send = self.buffers.get("send", n_tok * k, width, dt, dev)
         torch.index_select(grad.contiguous(), 0, lay.send_order, out=send)
         recv = self.buffers.get("recv", lay.recv_rows, width, dt, dev)
@@ -203,13 +219,23 @@ class EPDispatcher:
         g_sorted = recv.index_select(0, lay.recv_perm)
 
         # replicas first: their weight grads go home while the own-expert backward runs
-        h_red: list[Any] = []
-        incoming: list[torch.Tensor] = []
+        reduce: ReduceBack | None = None
         g_x_rep: list[torch.Tensor] = []
         if self.moonep:
+            wait_all(h_w)
+            self.pool.prefetch_ahead(job.prev)  # the next backward's replicas travel during this one
+            if ctx.graph_mode:
+                ctx.holder.tensors = bank.tensors
+            else:
+                ctx.rep = self._ffn(x_sorted[lay.own_rows:], lay.replica_offsets(dev), bank.tensors, ctx.act, True)
             g_xr, g_wr = self._ffn_backward(ctx.rep, g_sorted[lay.own_rows:])
+            ctx.rep = None
+            if ctx.holder is not None:
+                ctx.holder.tensors = None
+            self.pool.release(bank)
             g_x_rep.append(g_xr)
-            incoming, h_red = start_reduce_back(lay, tuple(g_wr), self.weight_group, self.ep_ranks, self.buffers)
+            reduce = ReduceBack(lay, tuple(g_wr), self.weight_group, self.ep_ranks)
+            reduce.start()
         g_xo, g_wo = self._ffn_backward(ctx.own, g_sorted[:lay.own_rows])
 
         # input grads go back to the source ranks, overlapped with the reduce-back
@@ -218,9 +244,8 @@ class EPDispatcher:
         torch.index_select(g_x_sorted, 0, ctx.inv_perm, out=back)
         home = self.buffers.get("send", n_tok * k, width, dt, dev)
         h_tok = all_to_all_rows(home, back, lay.send_splits, lay.recv_splits, self.ep_group, async_op=True)
-        wait_all(h_red)
-        if self.moonep:
-            finish_reduce_back(lay, incoming, tuple(g_wo), n)
+        if reduce is not None:
+            reduce.finish(tuple(g_wo), n)
         wait_all([h_tok])
         g_routes = grad.new_empty(n_tok * k, width).index_copy_(0, lay.send_order, home)
         acc = torch.promote_types(dt, torch.float32)

@@ -47,7 +47,14 @@ class RankLayout:
     own_rows: int  # rows of the own-expert groups (they come first)
     prefetch_sends: list[WeightTransfer]  # replicas of this rank's experts, hosted elsewhere
     prefetch_recvs: list[WeightTransfer]  # this rank's replica slots, in slot order
-    split: np.ndarray  # [R_src, R_dst, E] the full token split (metrics)
+    split: np.ndarray | None  # [R_src, R_dst, E] the full token split (reference layout only)
+    cross_rows: int | None = None  # dispatched rows whose source != destination (EP-group total; metrics)
+    offsets_device: torch.Tensor | None = None  # [2n] int32: cumulative group ends, own half then replica half
+    reduce_round: int = -1  # reduce-back round in which this rank sends its replica grads home (-1: no replicas)
+
+    def __post_init__(self) -> None:
+        if self.cross_rows is None and self.split is not None:
+            self.cross_rows = int(self.split.sum() - np.trace(self.split.sum(2)))
 
     @property
     def recv_rows(self) -> int:
@@ -55,10 +62,14 @@ class RankLayout:
 
     def own_offsets(self, device: torch.device) -> torch.Tensor:
         n = len(self.group_counts) // 2
+        if self.offsets_device is not None:
+            return self.offsets_device[:n]
         return torch.tensor(np.cumsum(self.group_counts[:n]), dtype=torch.int32, device=device)
 
     def replica_offsets(self, device: torch.device) -> torch.Tensor:
         n = len(self.group_counts) // 2
+        if self.offsets_device is not None:
+            return self.offsets_device[n:]
         return torch.tensor(np.cumsum(self.group_counts[n:]), dtype=torch.int32, device=device)
 
 
@@ -68,15 +79,26 @@ def weight_transfers(plan: Plan) -> list[WeightTransfer]:
             for d in range(plan.num_ranks) for s, e in enumerate(plan.replicas[d])]
 
 
+def reduce_round(plan: Plan, me: int) -> int:
+    """This rank's index among the hosts of its home group (ascending rank): its reduce-back round
+    (:mod:`moonep.grad_reduce`); -1 when it hosts no replica."""
+    h = int(plan.home[me])
+    return -1 if h < 0 else int((plan.home[:me] == h).sum())
+
+
 def local_route_positions(topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor,
                                                                                 torch.Tensor]:
     """``(flat[N*k], counts[E], by_expert[N*k])``: the routes, this rank's per-expert counts, and the route indices
     sorted by expert (stable: local order kept within an expert). Needs no plan, so it overlaps the count
     all-gather."""
     flat = topk_idx.reshape(-1)
-    counts = torch.bincount(flat, minlength=num_experts)
-    if counts.numel() != num_experts:
-        raise ValueError(f"moonep: expert index out of range for num_experts={num_experts}")
+    if flat.is_cuda:  # bincount sizes its output from the max on the host: a synchronisation
+        counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).index_add_(
+            0, flat, torch.ones_like(flat))
+    else:
+        counts = torch.bincount(flat, minlength=num_experts)
+        if counts.numel() != num_experts:
+            raise ValueError(f"moonep: expert index out of range for num_experts={num_experts}")
     return flat, counts, torch.argsort(flat, stable=True)
 
 
@@ -118,7 +140,7 @@ def build_rank_layout(plan: Plan, counts_by_src: np.ndarray, me: int, topk_idx: 
     group_counts = per_src_group.sum(0).tolist()
 
     transfers = weight_transfers(plan)
-    return RankLayout(
+    return RankLayout(reduce_round=reduce_round(plan, me), 
         me=me, send_order=send_order, send_splits=send_splits, recv_splits=recv_splits, recv_perm=recv_perm,
         group_counts=group_counts, own_rows=int(sum(group_counts[:n])),
         prefetch_sends=[t for t in transfers if t.src == me],

@@ -3,8 +3,8 @@
 Every rank of an EP group computes the same numbers (they come from the plan, which is built from all-gathered
 counts), so rank 0 can log them without communication. Bytes are EP-group totals of the FORWARD pass:
 ``token_bytes`` = dispatch + combine rows that cross ranks x ``l`` x element size; ``weight_bytes`` = replica
-prefetch. The backward moves the same token bytes again and the reduce-back moves ``weight_bytes`` (at the
-gradient dtype).
+prefetch. The backward moves the same token bytes again, fetches the replicas again unless a pool bank still holds
+them (``ReplicaPool.fetches`` / ``found``), and the reduce-back moves ``weight_bytes`` (at the gradient dtype).
 """
 from __future__ import annotations
 
@@ -28,8 +28,10 @@ class DispatchRecord:
     weight_bytes: int
 
     @classmethod
-    def from_plan(cls, plan: Plan, split: np.ndarray, row_bytes: int, expert_bytes: int) -> "DispatchRecord":
-        cross = int(split.sum() - np.trace(split.sum(2)))  # rows with source != destination
+    def from_plan(cls, plan: Plan, split: np.ndarray | None, row_bytes: int, expert_bytes: int,
+                  cross_rows: int | None = None) -> "DispatchRecord":
+        """``cross_rows`` (rows with source != destination) or the full ``split[R, R, E]`` to count them."""
+        cross = cross_rows if cross_rows is not None else int(split.sum() - np.trace(split.sum(2)))
         return cls(plan.loads_before, plan.loads_after, plan.num_replicas, 2 * cross * row_bytes,
                    int(plan.num_replicas.sum()) * expert_bytes)
 
@@ -84,7 +86,9 @@ def collect_moonep_metrics(modules: nn.Module | Iterable[nn.Module], prefix: str
 
     Keys: ``{prefix}/{layer}/{metric}`` per layer and ``{prefix}/worst_max_over_mean_before|after`` (worst
     micro-batch of the worst layer), ``{prefix}/mean_max_over_mean_before|after``, ``{prefix}/token_bytes``,
-    ``{prefix}/weight_bytes``, ``{prefix}/replicas`` (step totals). No communication.
+    ``{prefix}/weight_bytes``, ``{prefix}/replicas`` (step totals). No new communication; it also waits for any
+    replica transfer still in flight in the dispatchers' pools (a prefetch-ahead whose backward never came: its
+    peers posted it too), so the optimizer step that follows never updates a parameter while it is being sent.
     """
     mods = [modules] if isinstance(modules, nn.Module) else list(modules)
     out: dict[str, Any] = {}
@@ -92,6 +96,9 @@ def collect_moonep_metrics(modules: nn.Module | Iterable[nn.Module], prefix: str
     for mod in mods:
         for name, m in mod.named_modules():
             disp = getattr(m, "dispatcher", None)
+            pool = getattr(disp, "pool", None)
+            if pool is not None:
+                pool.drain()
             metrics = getattr(disp, "metrics", None)
             if not isinstance(metrics, LayerMetrics):
                 continue

@@ -7,9 +7,9 @@ parameter slice ``w[j]`` itself (contiguous in the stacked ``[n, l, f]`` layout)
 its slot of the replica tensors. A host receives from one home group only (planner guarantee), so at most ``n``
 slots per rank.
 
-The replica tensors are fresh per call, fixed-shape ``[n, l, f]`` (unused slots zero): autograd saves them for
-the backward of the replica FFN, so they cannot live in a buffer shared with the next micro-batch. A fixed shape
-keeps the caching allocator from fragmenting (MoonEP's point about dynamic shapes).
+The dispatcher receives into the banks of :class:`moonep.replica_pool.ReplicaPool` (fixed ``[n, l, f]``
+buffers shared by all MoE layers, refilled per layer in forward and again for its backward):
+:func:`start_prefetch_into`. :func:`start_prefetch` receives into fresh tensors (unused slots zero).
 """
 from __future__ import annotations
 
@@ -37,13 +37,20 @@ def start_prefetch(layout: RankLayout, weights: tuple[torch.Tensor, torch.Tensor
     maps EP index -> global rank.
     """
     n = experts_per_rank
-    base = layout.me * n
     replicas = tuple(w.new_zeros((n,) + tuple(w.shape[1:])) for w in weights)
+    return replicas, start_prefetch_into(replicas, layout, weights, group, ranks, n)
+
+
+def start_prefetch_into(replicas: tuple[torch.Tensor, ...], layout: RankLayout, weights: tuple[torch.Tensor, ...],
+                        group: Any, ranks: list[int], experts_per_rank: int) -> list[Any]:
+    """:func:`start_prefetch` receiving into the given ``[n, ...]`` tensors (slots not in the plan keep their
+    old values); returns the handles."""
+    base = layout.me * experts_per_rank
     sends = [(w[t.expert - base], ranks[t.dst], replica_tag(t.slot, m))
              for t in layout.prefetch_sends for m, w in enumerate(weights)]
     recvs = [(replicas[m][t.slot], ranks[t.src], replica_tag(t.slot, m))
              for t in layout.prefetch_recvs for m in range(N_MATRICES)]
-    return replicas, p2p_batch(sends, recvs, group)
+    return p2p_batch(sends, recvs, group)
 
 
 def prefetch_reference(layout: RankLayout, all_weights: tuple[torch.Tensor, ...],

@@ -27,6 +27,7 @@ from torch import nn
 
 from moonep.comm import CommBuffers
 from moonep.dispatcher import EPDispatcher
+from moonep.replica_pool import ReplicaPool
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class ExpertParallelState:
 
     buffers: CommBuffers
     weight_group: Any = None
+    pool: ReplicaPool = field(default_factory=ReplicaPool)  # MoonEP replica banks shared by every MoE layer
     dispatchers: dict[str, EPDispatcher] = field(default_factory=dict)
     _mesh: Any = None
 
@@ -55,8 +57,14 @@ def _modules(model: nn.Module | Iterable[nn.Module]) -> list[nn.Module]:
 
 
 def _latent_moes(model: nn.Module | Iterable[nn.Module]) -> list[tuple[str, nn.Module]]:
+    return [(name, m) for _, name, m in _latent_moes_by_chunk(model)]
+
+
+def _latent_moes_by_chunk(model: nn.Module | Iterable[nn.Module]) -> list[tuple[int, str, nn.Module]]:
+    """``(chunk index, name, LatentMoE)`` in module (= forward) order."""
     from k3train.model.moe import LatentMoE
-    return [(name, m) for mod in _modules(model) for name, m in mod.named_modules() if isinstance(m, LatentMoE)]
+    return [(c, name, m) for c, mod in enumerate(_modules(model)) for name, m in mod.named_modules()
+            if isinstance(m, LatentMoE)]
 
 
 def _build_weight_group(dims: Any) -> Any:
@@ -125,7 +133,8 @@ def apply_expert_parallel(model: nn.Module | Iterable[nn.Module], dims: Any, moo
     state = ExpertParallelState(buffers=CommBuffers())
     if dims.ep > 1 and separate_weight_group and moonep:
         state.weight_group = _build_weight_group(dims)
-    for name, moe in _latent_moes(model):
+    order = {}
+    for chunk, name, moe in _latent_moes_by_chunk(model):
         if dims.ep == 1:
             mark_expert_params(moe)
             continue
@@ -133,10 +142,14 @@ def apply_expert_parallel(model: nn.Module | Iterable[nn.Module], dims: Any, moo
         shard_experts(moe.experts, dims.ep, dims.ep_rank)
         disp = EPDispatcher(num_experts=num_experts, ep_group=dims.group("ep"), ep_ranks=dims.ranks("ep"),
                             ep_rank=dims.ep_rank, moonep=moonep, weight_group=state.weight_group,
-                            buffers=state.buffers, name=name, impl=impl)
+                            buffers=state.buffers, name=name, impl=impl, pool=state.pool, chunk=chunk,
+                            order=order.setdefault(chunk, 0))
+        order[chunk] += 1
         moe.dispatcher = disp
         state.dispatchers[name] = disp
-    logger.info("expert parallel: %d MoE layers, ep=%d, moonep=%s", len(state.dispatchers), dims.ep, moonep)
+    # per rank, so debug: rank 0 logs every pipeline rank's count (k3train/parallelize.py: log_moe_layers)
+    logger.debug("expert parallel: %d MoE layers sharded on this rank, ep=%d, moonep=%s", len(state.dispatchers),
+                 dims.ep, moonep)
     return state
 
 

@@ -1,5 +1,6 @@
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -7,6 +8,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# the measured MFU denominator is cached per host (k3train/metrics.py): the suite's runs, taken under its load,
+# must not become the user's cached peak
+os.environ.setdefault("K3TRAIN_CACHE_DIR", tempfile.mkdtemp(prefix="k3train-test-cache-"))
 
 # Property tests are derandomized (examples drawn from a seed fixed per test) so CI cannot flake on a lucky draw;
 # deadline=None because 2 shared CPU cores make per-example timing meaningless. HYPOTHESIS_PROFILE=explore runs

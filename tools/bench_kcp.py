@@ -9,6 +9,10 @@ all-gathering the bf16 K and V of the preceding segments (and K, V, g, beta, whi
 scheme actually needs), and the MLA latent all-gather + reduce-scatter. "Moved per rank" = what a ring
 collective puts on each rank's link (see kcp/comm.py).
 
+Part 1c (analytic): bytes per rank per micro-batch of building the KCP context: the shape all-gather plus the
+segment edge summaries ([B, 5] int64, kcp/edges.py) now, against all-gathering every token's doc id and
+position (2 * B * T int64) before; Part 2 also measures it.
+
 Part 2 (measured, gloo on this CPU, small dims): one row, one document spanning all ranks (the worst case for the
 fold); per CP rank the wall time of the KCP KDA forward+backward, of the gather+fold sections (forward and
 backward), of the local widened forward pass (kcp/pairs.py: augmented_pass), and of plain chunk_kda on the same
@@ -34,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from k3train.ops.kda import chunk_kda  # noqa: E402
 from kcp import KCPContext  # noqa: E402
+from kcp.edges import EDGE_FIELDS  # noqa: E402
 from kcp.fold import fold_adjoint, fold_entry  # noqa: E402
 from kcp.pairs import flatten_tokens  # noqa: E402
 
@@ -62,6 +67,24 @@ def analytic_rows(cps: list[int], t_fulls: list[int]) -> list[tuple]:
             mla = (cp - 1) * t * L * ab + (cp - 1) * t * L * ab  # latent all-gather + grad reduce-scatter
             rows.append((cp, T, kcp_fwd + kcp_bwd + halo, kv, kvgb, mla))
     return rows
+
+
+def context_bytes(cp: int, t: int, rows: int = 1) -> tuple[int, int]:
+    """``(before, now)``: bytes moved per rank and micro-batch to build a KCP context for ``rows`` rows of ``t``
+    local tokens: the [B, T] shape all-gather plus the doc_ids + positions all-gather (before) or the edge
+    summaries (now)."""
+    shape = (cp - 1) * 2 * 8
+    return shape + (cp - 1) * 2 * rows * t * 8, shape + (cp - 1) * rows * len(EDGE_FIELDS) * 8
+
+
+def print_context_bytes(cps: list[int], t_fulls: list[int]) -> None:
+    print("Part 1c: bytes per rank per micro-batch to build the KCP context (one row; int64)")
+    print(f"{'cp':>3} {'T_full':>8} | {'AG doc_ids+pos':>14} {'edge summaries':>14} {'ratio':>9}")
+    for cp in cps:
+        for T in t_fulls:
+            before, now = context_bytes(cp, T // cp)
+            print(f"{cp:>3} {T:>8} | {fmt_bytes(before):>14} {fmt_bytes(now):>14} {before / now:>8.0f}x")
+    print()
 
 
 def chunk_kda_flops_per_token(H: int, K: int, V: int, C: int = 64) -> float:
@@ -147,6 +170,7 @@ def _worker(rank: int, cp: int, port: int, t_fulls: list[int], H: int, K: int, r
                     res["pairs"] += s["kda_local_fwd"] / reps
                     res["local"] += t_local / reps
                     res["bytes"] = ctx.stats.bytes["kda_fwd"] + ctx.stats.bytes["kda_bwd"]
+                    res["ctx_bytes"] = ctx.stats.bytes["layout"]
             res["fold_compute"] = fold_compute_seconds(ctx.plan, H, K, reps)
             q.put((rank, T, res))
     finally:
@@ -183,13 +207,15 @@ def main() -> None:
 
     print_analytic(sorted(set(args.cp) | {8, 16}), [32768, 131072, 524288, 1048576])
     print_fold_flops(sorted(set(args.cp) | {8, 16}), [131072, 1048576])
+    print_context_bytes(sorted(set(args.cp) | {8, 16}), [32768, 1048576])
     if args.analytic_only:
         return
     H, K = args.heads, args.dk
     print(f"Part 2: gloo CPU, H={H}, dk=dv={K}, one row, one document over all ranks, slowest rank, "
           f"fwd+bwd, mean of {args.reps}")
     print(f"{'cp':>3} {'T_full':>7} | {'KCP kda ms':>10} {'local ms':>9} {'ratio':>6} | {'aug fwd ms':>10} "
-          f"{'gather+fold':>11} {'fold math':>9} {'share':>6} | {'KDA bytes/rank':>14} {'AG K,V fp32':>11}")
+          f"{'gather+fold':>11} {'fold math':>9} {'share':>6} | {'KDA bytes/rank':>14} {'AG K,V fp32':>11} | "
+          f"{'ctx bytes':>10} {'was':>10}")
     for cp in args.cp:
         res = run_measured(cp, args.T, H, K, args.reps)
         for T in args.T:
@@ -201,9 +227,12 @@ def main() -> None:
             print(f"{cp:>3} {T:>7} | {worst['total'] * 1e3:>10.1f} {worst['local'] * 1e3:>9.1f} "
                   f"{worst['total'] / worst['local']:>5.2f}x | {pairs * 1e3:>10.1f} {fold * 1e3:>11.2f} "
                   f"{math_s * 1e3:>9.3f} {100 * math_s / worst['total']:>5.2f}% | "
-                  f"{fmt_bytes(max(r['bytes'] for r in res[T])):>14} {fmt_bytes(kv):>11}")
+                  f"{fmt_bytes(max(r['bytes'] for r in res[T])):>14} {fmt_bytes(kv):>11} | "
+                  f"{fmt_bytes(max(r['ctx_bytes'] for r in res[T])):>10} "
+                  f"{fmt_bytes(context_bytes(cp, T // cp)[0]):>10}")
     print("ratio = KCP kda / plain chunk_kda on the same segment (slowest rank); gather+fold includes waiting for "
-          "the slowest rank;\nfold math = the fold's arithmetic alone; share = fold math / KCP kda.")
+          "the slowest rank;\nfold math = the fold's arithmetic alone; share = fold math / KCP kda; ctx bytes = "
+          "measured context construction per micro-batch (was = all-gathering doc_ids + positions).")
 
 
 if __name__ == "__main__":

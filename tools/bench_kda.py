@@ -1,9 +1,19 @@
 #!/usr/bin/env python
-"""Benchmark chunked KDA (k3train.ops.kda.chunk_kda) against the token-loop reference, forward + backward.
+"""Benchmark KDA forward + backward: the hand-written-backward op vs the autograd reference vs a naive reference.
 
-Prints one table row per (T, head dim): wall time of chunked and naive fwd+bwd, speed-up, the chunked op's achieved
-GFLOP/s and that figure as a fraction of plain ``torch.matmul`` GFLOP/s measured on the same machine in the same run,
-the max |o_chunk - o_naive| as a sanity check, and the bytes autograd saves for the chunked backward.
+Ops compared (same inputs, ``o`` from zero state, loss = <o, w>, gradients of q, k, v, g, beta):
+  * ``new``      -- :func:`k3train.ops.kda.chunk_kda` (``torch.autograd.Function``, :mod:`k3train.ops.kda_function`),
+                    with ``g_lower_bound`` = K3's gate bound (dense diagonal sub-tiles);
+  * ``autograd`` -- :func:`k3train.ops.kda.chunk_kda_autograd` (the previous op, differentiated by autograd);
+  * ``naive``    -- flash-linear-attention's pure-torch ``fla.ops.kda.naive.naive_chunk_kda`` when ``fla`` is
+                    installed, else this repo's token loop :func:`k3train.ops.kda_naive.naive_recurrent_kda`
+                    (the header line says which); run only up to ``--naive-max-t``.
+
+Per (T, K = V): median wall time of fwd+bwd, speed-ups of ``new``, achieved GFLOP/s as a fraction of plain
+``torch.matmul`` measured in the same run, autograd-saved bytes / input bytes (``saved_tensors_hooks``, distinct
+storages), and max |o_new - o_autograd|. A second header line gives the GFLOP/s of the batched GEMM shapes the
+chunk form is made of (``[NC*H] x 64x64 @ 64xK``, ``64xK @ KxV``), as a fraction of the same matmul figure:
+the practical ceiling for any chunked op built from batched matmuls on this machine.
 
 FLOP count (nominal, dense-equivalent; forward, per chunk of C tokens per head, K = key dim, V = value dim):
 
@@ -15,24 +25,41 @@ FLOP count (nominal, dense-equivalent; forward, per chunk of C tokens per head, 
             + 2 C K V          (Gamma Q - P W) S
     F_fwd = B H ceil(T / C) F_chunk,   F_fwd+bwd = 3 F_fwd   (backward counted as twice the forward).
 
-Example: ``python tools/bench_kda.py --lengths 256,1024,4096 --dims 64,128 --heads 4 --naive-max-t 1024``.
-This is a tool, not a test: timings on a shared machine are noisy; the best of ``--repeats`` runs is reported.
+Goals (issue 13) at T=4096, H=4, K=V=128, one thread: new >= 2x autograd, >= 40% of matmul FLOP/s, saved bytes
+<= 3x input bytes. On an idle machine::
+
+    OMP_NUM_THREADS=1 .venv/bin/python tools/bench_kda.py --threads 1
+
+This is a tool, not a test. ``--clock thread`` times with the calling thread's CPU time (meaningful with
+``--threads 1`` only), for A/B comparisons on a loaded machine.
 """
 from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from k3train.ops.kda import chunk_kda, naive_recurrent_kda  # noqa: E402
+from k3train.ops.kda import chunk_kda, chunk_kda_autograd  # noqa: E402
+from k3train.ops.kda_naive import naive_recurrent_kda  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+def naive_reference() -> tuple[str, Callable, bool]:
+    """(name, fn, needs T % 64 == 0): fla's pure-torch chunk reference when installed, else our token loop."""
+    try:
+        from fla.ops.kda.naive import naive_chunk_kda  # type: ignore[import-not-found]
+    except ImportError:
+        return "k3train.ops.kda_naive.naive_recurrent_kda (fla not installed)", naive_recurrent_kda, False
+    return "fla.ops.kda.naive.naive_chunk_kda", naive_chunk_kda, True
 
 
 def kda_flops(B: int, T: int, H: int, K: int, V: int, C: int = 64) -> float:
@@ -52,29 +79,35 @@ def make_inputs(B: int, T: int, H: int, K: int, V: int, dtype: torch.dtype, devi
     return [x.to(device=device, dtype=dtype).requires_grad_() for x in (q, k, v, g, beta)]
 
 
-def fwd_bwd(fn, inputs: list[torch.Tensor], w: torch.Tensor) -> torch.Tensor:
-    for x in inputs:
-        x.grad = None
+class Clock:
+    def __init__(self, kind: str, device: str) -> None:
+        self.kind, self.device = kind, device
+
+    def now(self) -> float:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+        return time.thread_time() if self.kind == "thread" else time.perf_counter()
+
+
+def fwd_bwd(fn: Callable, inputs: list[torch.Tensor], w: torch.Tensor) -> torch.Tensor:
     o, _ = fn(*inputs)
-    (o.float() * w).sum().backward()
+    torch.autograd.grad((o.float() * w).sum(), inputs)
     return o.detach()
 
 
-def timed(fn, inputs, w, repeats: int, device: str) -> tuple[float, torch.Tensor]:
-    best, out = float("inf"), None
+def timed(fn: Callable, inputs, w, repeats: int, clock: Clock, warm_up: bool = True) -> tuple[float, torch.Tensor]:
+    """Median seconds of ``repeats`` fwd+bwd runs (after one untimed warm-up run unless ``warm_up`` is False)."""
+    out = fwd_bwd(fn, inputs, w) if warm_up else None
+    times = []
     for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        t0 = clock.now()
         out = fwd_bwd(fn, inputs, w)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return best, out
+        times.append(clock.now() - t0)
+    return statistics.median(times), out
 
 
-def saved_bytes(fn, inputs: list[torch.Tensor]) -> int:
-    """Bytes of distinct storages autograd saves for the backward of one forward call."""
+def saved_ratio(fn: Callable, inputs: list[torch.Tensor]) -> float:
+    """Bytes of distinct storages autograd saves for one forward call, over the input bytes."""
     seen: dict[int, int] = {}
 
     def pack(x: torch.Tensor) -> torch.Tensor:
@@ -84,70 +117,86 @@ def saved_bytes(fn, inputs: list[torch.Tensor]) -> int:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
         fn(*inputs)
-    return sum(seen.values())
+    return sum(seen.values()) / sum(x.numel() * x.element_size() for x in inputs)
 
 
-def matmul_gflops(n: int, repeats: int, device: str) -> float:
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+def gflops_of(f: Callable[[], object], flops: float, repeats: int, clock: Clock) -> float:
+    f()
     best = float("inf")
     for _ in range(repeats + 1):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        a @ b
-        if device == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n ** 3 / best / 1e9
+        t0 = clock.now()
+        f()
+        best = min(best, clock.now() - t0)
+    return flops / best / 1e9
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lengths", default="256,1024,4096", help="comma-separated sequence lengths T")
+    p.add_argument("--lengths", default="1024,4096,16384", help="comma-separated sequence lengths T")
     p.add_argument("--dims", default="64,128", help="comma-separated head dims (K = V)")
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtype", choices=list(DTYPES), default="float32")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--naive-max-t", type=int, default=1024, help="skip the token-loop reference beyond this T")
+    p.add_argument("--chunk-size", type=int, default=64)
+    p.add_argument("--g-lower-bound", type=float, default=-5.0, help="gate bound passed to the new op (K3: -5)")
+    p.add_argument("--autograd-max-t", type=int, default=16384, help="skip the autograd op beyond this T")
+    p.add_argument("--naive-max-t", type=int, default=0,
+                   help="skip the naive reference beyond this T (default: 4096 for fla's, 1024 for the token loop)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: leave torch's default)")
     p.add_argument("--matmul-n", type=int, default=2048, help="square fp32 matmul size for the peak reference")
+    p.add_argument("--clock", choices=["wall", "thread"], default="wall")
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     dtype = DTYPES[a.dtype]
+    clock = Clock(a.clock, a.device)
+    naive_name, naive_fn, naive_needs_chunks = naive_reference()
+    naive_max = a.naive_max_t or (4096 if naive_needs_chunks else 1024)
+    new = lambda *x: chunk_kda(*x, chunk_size=a.chunk_size, g_lower_bound=a.g_lower_bound)  # noqa: E731
+    old = lambda *x: chunk_kda_autograd(*x, chunk_size=a.chunk_size)  # noqa: E731
 
-    peak = matmul_gflops(a.matmul_n, a.repeats, a.device)
+    n = a.matmul_n
+    mats = torch.randn(n, n, device=a.device), torch.randn(n, n, device=a.device)
+    peak = gflops_of(lambda: mats[0] @ mats[1], 2 * n ** 3, a.repeats, clock)
+    C, D = a.chunk_size, max(int(x) for x in a.dims.split(","))
+    bmm = {}
+    for name, (m, kk, nn) in {f"{C}x{C}@{C}x{D}": (C, C, D), f"{C}x{D}@{D}x{D}": (C, D, D)}.items():
+        x, y = torch.randn(256, m, kk, device=a.device), torch.randn(256, kk, nn, device=a.device)
+        bmm[name] = gflops_of(lambda: x @ y, 2 * 256 * m * kk * nn, a.repeats, clock)
     print(f"device={a.device} threads={torch.get_num_threads()} dtype={a.dtype} B={a.batch} H={a.heads} "
-          f"repeats={a.repeats} (best of)")
-    print(f"torch.matmul fp32 {a.matmul_n}x{a.matmul_n}: {peak:.1f} GFLOP/s (reference peak, same run)")
-    print("FLOPs(fwd+bwd) = 3 * B*H*ceil(T/64) * [4C^2K + 3C^2(K+V) + 2CK(K+V) + 2K^2V + 2CKV], C=64")
-    hdr = (f"{'T':>6} {'K=V':>4} {'chunk ms':>9} {'naive ms':>9} {'speedup':>8} {'GFLOP':>7} {'GFLOP/s':>8} "
-           f"{'of mm':>6} {'max|do|':>9} {'saved MB':>9}")
+          f"C={C} g_lower_bound={a.g_lower_bound} clock={a.clock} repeats={a.repeats} (median)")
+    print(f"torch.matmul fp32 {n}x{n}: {peak:.1f} GFLOP/s (the 'of mm' reference, same run); batched 256x "
+          + ", ".join(f"{k}: {v:.1f} ({v / peak:.0%})" for k, v in bmm.items()))
+    print(f"naive reference: {naive_name}, up to T={naive_max}")
+    print("FLOPs(fwd+bwd) = 3 * B*H*ceil(T/C) * [4C^2K + 3C^2(K+V) + 2CK(K+V) + 2K^2V + 2CKV]")
+    hdr = (f"{'T':>6} {'K=V':>4} {'new ms':>8} {'autograd':>9} {'naive ms':>9} {'vs auto':>8} {'vs naive':>9} "
+           f"{'GFLOP':>7} {'new/mm':>7} {'auto/mm':>8} {'saved new':>10} {'saved auto':>11} {'max|do|':>9}")
     print(hdr)
     print("-" * len(hdr))
-    skipped = []
     for D in [int(x) for x in a.dims.split(",")]:
         for T in [int(x) for x in a.lengths.split(",")]:
             inputs = make_inputs(a.batch, T, a.heads, D, D, dtype, a.device)
             w = torch.randn(a.batch, T, a.heads, D, device=a.device)
-            fwd_bwd(chunk_kda, inputs, w)                                              # warm-up
-            t_chunk, o_chunk = timed(chunk_kda, inputs, w, a.repeats, a.device)
-            mem = saved_bytes(chunk_kda, inputs) / 2 ** 20
-            flops = kda_flops(a.batch, T, a.heads, D, D)
-            rate = flops / t_chunk / 1e9
-            if T <= a.naive_max_t:
-                t_naive, o_naive = timed(naive_recurrent_kda, inputs, w, 1, a.device)
-                err = (o_chunk.float() - o_naive.float()).abs().max().item()
-                naive_s, speed_s, err_s = f"{t_naive * 1e3:9.1f}", f"{t_naive / t_chunk:7.1f}x", f"{err:9.2e}"
-            else:
-                skipped.append(f"T={T},K={D}")
-                naive_s, speed_s, err_s = f"{'skipped':>9}", f"{'-':>8}", f"{'-':>9}"
-            print(f"{T:>6} {D:>4} {t_chunk * 1e3:9.1f} {naive_s} {speed_s} {flops / 1e9:7.2f} {rate:8.1f} "
-                  f"{rate / peak:6.1%} {err_s} {mem:9.1f}")
-    if skipped:
-        print(f"naive reference skipped (T > --naive-max-t={a.naive_max_t}): {', '.join(skipped)}")
+            flops = kda_flops(a.batch, T, a.heads, D, D, C)
+            t_new, o_new = timed(new, inputs, w, a.repeats, clock)
+            s_new = saved_ratio(new, inputs)
+            cells = {"auto": "-", "naive": "-", "vs auto": "-", "vs naive": "-", "auto/mm": "-", "saved auto": "-",
+                     "err": "-"}
+            if T <= a.autograd_max_t:
+                t_old, o_old = timed(old, inputs, w, a.repeats, clock)
+                cells.update({"auto": f"{t_old * 1e3:.1f}", "vs auto": f"{t_old / t_new:.2f}x",
+                              "auto/mm": f"{flops / t_old / 1e9 / peak:.1%}",
+                              "saved auto": f"{saved_ratio(old, inputs):.2f}x",
+                              "err": f"{(o_new.float() - o_old.float()).abs().max().item():.2e}"})
+            if T <= naive_max and (not naive_needs_chunks or T % 64 == 0):
+                t_naive, _ = timed(naive_fn, inputs, w, 1, clock, warm_up=False)
+                cells.update({"naive": f"{t_naive * 1e3:.1f}", "vs naive": f"{t_naive / t_new:.1f}x"})
+            print(f"{T:>6} {D:>4} {t_new * 1e3:8.1f} {cells['auto']:>9} {cells['naive']:>9} {cells['vs auto']:>8} "
+                  f"{cells['vs naive']:>9} {flops / 1e9:7.2f} {flops / t_new / 1e9 / peak:7.1%} "
+                  f"{cells['auto/mm']:>8} {s_new:9.2f}x {cells['saved auto']:>11} {cells['err']:>9}")
+    print("saved = autograd-saved bytes / input bytes; vs = speed-up of new; x/mm = achieved / matmul FLOP/s")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,10 @@
 """Benchmark MoonEP: per-rank load balance of the planner on skewed routing, next to plain EP and EPLB-style static
-replication, plus the MoE layer step time on real gloo ranks.
+replication; the planning + layout time per layer; MoonEP's extra memory vs depth and micro-batches in flight;
+the MoE layer step time on real gloo ranks.
 
     python tools/bench_moonep.py planner         # load max/mean, replicas, bytes: E=64/R=8/top-8, K3 E=896/R=64/top-16
+    python tools/bench_moonep.py layout          # plan + layout ms per layer and micro-batch at K3 scale (E=896, R=64)
+    python tools/bench_moonep.py memory          # MoonEP extra bytes per rank vs MoE layers x micro-batches in flight
     python tools/bench_moonep.py step --world 2     # fwd+bwd time of a small MoE layer, MoonEP on vs off
 
 Routing model: Zipf(alpha) expert popularity (popularity ranks randomly placed over experts), each token picks k
@@ -92,6 +95,145 @@ def bench_planner(args: argparse.Namespace) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------------------
+def _k3_routes(E: int, R: int, k: int, tokens: int, alpha: float, rng: np.random.Generator) -> list[np.ndarray]:
+    """Per-rank top-k routes ``[tokens, k]`` with Zipf(alpha) expert popularity (same popularity on every rank)."""
+    pop = 1.0 / np.arange(1, E + 1) ** alpha
+    logp = np.log(pop[rng.permutation(E)]).astype(np.float32)[None, :]
+    out = []
+    for _ in range(R):
+        g = logp + rng.gumbel(size=(tokens, E)).astype(np.float32)
+        out.append(np.argpartition(-g, k - 1, axis=1)[:, :k].astype(np.int64))
+    return out
+
+
+def bench_layout(args: argparse.Namespace) -> None:
+    """Per-layer planning + layout time of one rank: the dispatcher's path (one host copy of the gathered
+    counts, plan on [R]/[n] lists, block-move layout) vs the readable reference (host plan, [R, R, E] split,
+    sorts). The local expert sort of the routes is timed apart: it runs before the plan, overlapped with the
+    count all-gather."""
+    import torch
+
+    from moonep.fast_layout import counts_to_host, fast_rank_layout, plan_with_takes
+    from moonep.layout import build_rank_layout, local_route_positions
+
+    torch.set_num_threads(args.threads)
+    E, R, k = args.experts, args.ranks, args.k
+    rng = np.random.default_rng(args.seed)
+    print(f"plan + layout per layer and micro-batch, one rank: E={E} R={R} top-{k}, {args.threads} thread(s), "
+          f"median of {args.reps} (ms)")
+    print(f"{'tokens':>6} {'alpha':>5} {'repl':>4} | {'fast':>7} {'(plan':>7} {'layout)':>8} | {'reference':>9} | "
+          f"{'speed-up':>8} | {'local sort':>10}")
+    for tokens in args.tokens:
+        for alpha in args.alphas:
+            routes = _k3_routes(E, R, k, tokens, alpha, rng)
+            by_src = np.stack([np.bincount(r.reshape(-1), minlength=E) for r in routes])
+            gathered = torch.as_tensor(by_src.reshape(-1))
+            me = 0  # every rank builds its own layout; the cost hardly depends on which
+            topk = torch.as_tensor(routes[me])
+            t_local, t_plan, t_lay, t_ref = [], [], [], []
+            for _ in range(args.reps):
+                t0 = time.perf_counter()
+                local = local_route_positions(topk, E)
+                t1 = time.perf_counter()
+                host = counts_to_host(gathered, R)
+                plan, takes = plan_with_takes(host.sum(0), R, True)
+                t2 = time.perf_counter()
+                lay = fast_rank_layout(plan, takes, host, me, local[2])
+                t3 = time.perf_counter()
+                t_local.append(t1 - t0)
+                t_plan.append(t2 - t1)
+                t_lay.append(t3 - t2)
+            for _ in range(max(1, args.reps // 4)):
+                t0 = time.perf_counter()
+                ref_plan = plan_redundant_experts(by_src.sum(0), R)
+                ref = build_rank_layout(ref_plan, by_src, me, topk, local=local)
+                t_ref.append(time.perf_counter() - t0)
+            if not (torch.equal(ref.send_order, lay.send_order) and torch.equal(ref.recv_perm, lay.recv_perm)):
+                raise AssertionError("fast layout differs from the reference")
+            fast = np.median(t_plan) + np.median(t_lay)
+            print(f"{tokens:>6} {alpha:>5.2f} {int(plan.num_replicas.max()):>4} | {fast * 1e3:>7.2f} "
+                  f"{np.median(t_plan) * 1e3:>7.2f} {np.median(t_lay) * 1e3:>8.2f} | {np.median(t_ref) * 1e3:>9.2f} | "
+                  f"{np.median(t_ref) / fast:>7.1f}x | {np.median(t_local) * 1e3:>10.2f}")
+    print("goal: fast <= 2 ms per layer (E=896, R=64); repl = most replicas on one rank")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+def _mem_body(rank: int, world: int, args: argparse.Namespace, out: dict) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from k3train.config import ModelConfig
+    from k3train.model.moe import LatentMoE
+    from k3train.planning.live_bytes import LiveBytes
+    from moonep import apply_expert_parallel
+    from parallel.dims import ParallelDims
+
+    dims = ParallelDims(dp=world, ep=world, world_size=world, rank=rank).build_groups()
+    cfg = ModelConfig(hidden_size=args.d, routed_expert_hidden_size=args.l, moe_intermediate_size=args.f,
+                      num_experts=args.experts, num_experts_per_token=args.k, num_shared_experts=0,
+                      router_balance="none")
+    n = args.experts // world
+    rows = []
+    for layers in args.layers:
+        for mbs in args.mbs:
+            res = {}
+            for moonep in (False, True):
+                torch.manual_seed(0)
+                stack = nn.ModuleList(LatentMoE(cfg) for _ in range(layers))
+                with torch.no_grad():  # Zipf-like popularity through the router bias: MoonEP hosts replicas
+                    pop = 1.0 / np.arange(1, args.experts + 1) ** args.alpha
+                    for moe in stack:
+                        moe.router.bias.copy_(torch.as_tensor(np.log(pop) * args.bias_scale, dtype=torch.float32))
+                state = apply_expert_parallel(stack, dims, moonep=moonep)
+
+                def run(x: torch.Tensor) -> torch.Tensor:
+                    for moe in stack:
+                        x = x + moe(x)
+                    return x
+
+                g = torch.Generator().manual_seed(rank)
+                xs = [torch.randn(args.tokens, args.d, generator=g) for _ in range(mbs)]
+                run(xs[0]).sum().backward()  # warm-up: persistent token buffers and the replica pool exist
+                with LiveBytes() as lb:
+                    outs = [run(x) for x in xs]  # every micro-batch in flight, as in pipeline warm-up
+                    held = lb.live
+                    lb.reset_peak()
+                    for o in reversed(outs):
+                        o.sum().backward()
+                    bwd_peak = lb.peak - held
+                    del outs
+                stats = torch.tensor([held, bwd_peak], dtype=torch.float64)
+                dist.all_reduce(stats)
+                pool = state.pool.nbytes()
+                reps = max((d.last_plan.num_replicas.max() for d in state.dispatchers.values()), default=0)
+                res[moonep] = (stats / world).tolist() + [pool, int(reps), state.buffers.nbytes()]
+            rows.append((layers, mbs, res))
+    if rank == 0:
+        es = 4
+        expert = 3 * args.l * args.f * es
+        print(f"MoonEP extra bytes per rank (mean over {world} gloo ranks), E={args.experts} top-{args.k} l={args.l} "
+              f"f={args.f} tokens/rank={args.tokens}, fp32; one replica expert = {expert} B, n = E/R = {n}")
+        print(f"{'layers':>6} {'mbs':>3} | {'held after fwds: MoonEP - plain':>31} | "
+              f"{'bwd peak: MoonEP - plain':>24} | "
+              f"{'pool':>8} | {'repl':>4} | {'old design held':>15}")
+        for layers, mbs, res in rows:
+            plain, moon = res[False], res[True]
+            print(f"{layers:>6} {mbs:>3} | {moon[0] - plain[0]:>31.0f} | {moon[1] - plain[1]:>24.0f} | "
+                  f"{moon[2]:>8d} | {moon[3]:>4d} | {layers * mbs * n * expert:>15d}")
+        print("held: live bytes after all forwards (activations, graphs; both variants compute the same rows in "
+              "total); bwd peak: transient during the backwards (replica grads + reduce-back receive rounds); pool: "
+              f"the two shared replica banks (persistent, = 2*n*expert); old design held = layers*mbs*n*expert")
+
+
+def bench_memory(args: argparse.Namespace) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from dist_helpers import run_distributed
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    run_distributed(_mem_body, args.world, args, {}, timeout=1800)
+
+
+# ------------------------------------------------------------------------------------------------------------------
 def _step_body(rank: int, world: int, args: argparse.Namespace, out: dict) -> None:
     import torch
     import torch.distributed as dist
@@ -151,6 +293,27 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=1024, help="tokens per rank per micro-batch")
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
+    lo = sub.add_parser("layout")
+    lo.add_argument("--experts", type=int, default=896)
+    lo.add_argument("--ranks", type=int, default=64)
+    lo.add_argument("--k", type=int, default=16)
+    lo.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096], help="tokens per rank per micro-batch")
+    lo.add_argument("--alphas", type=float, nargs="+", default=[0.0, 1.0, 1.5])
+    lo.add_argument("--reps", type=int, default=20)
+    lo.add_argument("--threads", type=int, default=1)
+    lo.add_argument("--seed", type=int, default=0)
+    me = sub.add_parser("memory")
+    me.add_argument("--world", type=int, default=2)
+    me.add_argument("--layers", type=int, nargs="+", default=[1, 2, 4])
+    me.add_argument("--mbs", type=int, nargs="+", default=[1, 2, 4])
+    me.add_argument("--experts", type=int, default=8)
+    me.add_argument("--k", type=int, default=2)
+    me.add_argument("--d", type=int, default=32)
+    me.add_argument("--l", type=int, default=32)
+    me.add_argument("--f", type=int, default=64)
+    me.add_argument("--tokens", type=int, default=64)
+    me.add_argument("--alpha", type=float, default=1.5)
+    me.add_argument("--bias-scale", type=float, default=0.3)
     s = sub.add_parser("step")
     s.add_argument("--world", type=int, default=2)
     s.add_argument("--experts", type=int, default=16)
@@ -164,7 +327,7 @@ def main() -> None:
     s.add_argument("--iters", type=int, default=10)
     s.add_argument("--warmup", type=int, default=2)
     args = ap.parse_args()
-    bench_planner(args) if args.cmd == "planner" else bench_step(args)
+    {"planner": bench_planner, "layout": bench_layout, "memory": bench_memory, "step": bench_step}[args.cmd](args)
 
 
 if __name__ == "__main__":

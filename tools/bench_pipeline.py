@@ -3,6 +3,7 @@
     .venv/bin/python tools/bench_pipeline.py                    # analytic K3 tables + gloo runs (4 ranks)
     .venv/bin/python tools/bench_pipeline.py --no-run           # analytic only
     .venv/bin/python tools/bench_pipeline.py --steps 3 --micro-batches 8
+    .venv/bin/python tools/bench_pipeline.py --recv-waits --steps 20        # Part 3 only (receive waits)
 
 Part 1 (analytic, full K3 dims: 93 layers, AttnRes blocks of 12, H = 7168, S = 8192 tokens per micro-batch,
 bf16): bytes per micro-batch per boundary and per step for the proposed layouts (auto partition from the cost
@@ -13,6 +14,15 @@ Part 2 (measured, gloo on this CPU): a config with K3's block geometry scaled do
 (all ranks, cached vs full; equal to the analytic plan), step time and idle fraction ``1 - compute/step`` per
 rank for vpp = 1 vs vpp = 2 next to the theoretical bubble. On a shared, oversubscribed CPU the ranks compete for
 cores, so the measured idle fraction is indicative only.
+
+Part 1 also shows the partitioner's AttnRes tie-break at pp=8 vpp=4 (bytes per micro-batch of the plain
+min-bottleneck split vs the auto partition, same bottleneck) and, per schedule, how many receives the p2p programs
+post at least one compute ahead of their consumer (time-ordered posts vs posted ahead).
+
+Part 3 (``--recv-waits``, measured, gloo): configs/tiny.yaml at pp=2 vpp=2 and pp=4 vpp=2, one pipeline,
+the time each rank spends blocked waiting for receives per step (``recv_wait_s``: median over ``--steps``) with
+the time-ordered posts and with receives posted one compute ahead (``--post-ahead both|on|off``). Give it an idle
+machine with at least pp cores: on an oversubscribed CPU a wait mostly measures the scheduler.
 """
 from __future__ import annotations
 
@@ -32,6 +42,10 @@ sys.path.insert(0, str(ROOT))
 
 from k3train.config import load_config  # noqa: E402
 from parallel.pipeline import AttnResCommPlan, build_partition, describe_partition, theoretical_bubble  # noqa: E402
+from parallel.pipeline.p2p import build_programs, recv_lead  # noqa: E402
+from parallel.pipeline.placement import Placement  # noqa: E402
+from parallel.pipeline.partition import (auto_layers_per_stage, embed_cost, head_cost,  # noqa: E402
+                                         layer_cost)
 from parallel.pipeline.schedules import build_schedule, resolve_schedule, simulate  # noqa: E402
 
 GB = 1e9
@@ -51,7 +65,8 @@ def boundary_table(plan: AttnResCommPlan, per_tensor: float) -> list[str]:
     for b in range(plan.part.num_stages - 1):
         cut = plan.part.bounds[b][1]
         f, c = full.payload(b), plan.payload(b)
-        lines.append(f"  {b:>3} {cut:>4} {plan.part.rank_of(b):>3}->{plan.part.rank_of(b + 1):<3}   "
+        src, dst = plan.part.placement.boundary_ranks(b)
+        lines.append(f"  {b:>3} {cut:>4} {src:>3}->{dst:<3}   "
                      f"{int(f.partial):>7}+{len(f.blocks):<3} {len(f) * per_tensor / div:>8.1f}   "
                      f"{int(c.partial):>9}+{len(c.blocks):<3} {len(c) * per_tensor / div:>8.1f}")
     return lines
@@ -89,6 +104,41 @@ def analytic_k3(layouts: list[tuple[int, int, int]], show_table: tuple[int, int]
               f"{sizes}")
     print("  GB/step: one pipeline (all its boundaries, activations + gradients), M micro-batches of S tokens.")
     print("  *bubble sim: the schedule simulated with the cost model's per-stage costs (backward = 2 x forward).")
+
+
+def tie_break_k3(pp: int = 8, vpp: int = 4, S: int = 8192) -> None:
+    """AttnRes bytes per micro-batch (one direction; gradients add the same again) of the plain min-bottleneck
+    split vs the auto partition (same bottleneck, cuts moved onto block boundaries)."""
+    cfg = _k3_cfg(pp, vpp)
+    m = cfg.model
+    auto = build_partition(m, cfg.parallel, S)
+    plain_sizes = auto_layers_per_stage([layer_cost(m, i, S) for i in range(m.num_hidden_layers)], pp * vpp,
+                                        embed_cost(m), head_cost(m, S))
+    plain_cfg = load_config(None, ["--model.num_nextn_predict_layers=1", f"--parallel.pp={pp}",
+                                   f"--parallel.vpp={vpp}", "--train.seq_len=8192",
+                                   f"--parallel.pp_layers=[{','.join(map(str, plain_sizes))}]"])
+    plain = build_partition(plain_cfg.model, plain_cfg.parallel, S)
+    print(f"\nAttnRes tie-break, K3 pp={pp} vpp={vpp}, S={S}, bf16, cached (MiB per micro-batch, forward):")
+    for name, part in (("plain min-bottleneck split", plain), ("auto partition (tie-break)", auto)):
+        b = AttnResCommPlan(part, "cached").step_bytes(1, S, m.hidden_size, 2)
+        mid = sum(1 for s_, _ in part.bounds[1:] if s_ % part.block_size)
+        print(f"  {name:<28} {b['grad'] / 2**20:>8.0f} MiB  (partial {b['hidden'] / 2**20:.0f} + blocks "
+              f"{b['block_cache'] / 2**20:.0f}; {mid} of {part.num_stages - 1} cuts inside a block; bottleneck "
+              f"{max(part.stage_costs) / 1e9:.4f} GFLOP/tok)  {part.layers_per_stage()}")
+
+
+def recv_lead_table(layouts: list[tuple[str, int, int, int]]) -> None:
+    """Receives posted at least one compute before their consumer, time-ordered vs posted ahead."""
+    print("\nreceives posted >= 1 compute ahead of their consumer (of those not consumed by a rank's first compute)")
+    print(f"  {'schedule':<12} {'pp':>3} {'vpp':>3} {'M':>4} {'time-ordered':>13} {'posted ahead':>13}")
+    for kind, pp, vpp, M in layouts:
+        sched = build_schedule(kind, pp, vpp, M)
+        sim = simulate(sched, pp, vpp)
+        out = []
+        for ahead in (False, True):
+            a, n = recv_lead(build_programs(sched, pp, vpp, sim, post_ahead=ahead), pp, vpp)
+            out.append(f"{a}/{n} {100 * a / n:3.0f}%")
+        print(f"  {kind:<12} {pp:>3} {vpp:>3} {M:>4} {out[0]:>13} {out[1]:>13}")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -175,8 +225,9 @@ def measured(pp: int, M: int, steps: int, hidden: int, seq: int) -> None:
         step = max(r["step_s"] for r in per_rank)
         idle = " ".join(f"{1 - r['compute_s'] / r['step_s']:.2f}" for r in per_rank)
         # the schedule simulated with the measured per-stage forward/backward times
-        f = [per_rank[v % pp][f"F{v // pp}"] for v in range(pp * vpp)]
-        b = [per_rank[v % pp][f"B{v // pp}"] for v in range(pp * vpp)]
+        pl = Placement.of(pp, vpp)
+        f = [per_rank[pl.rank_of(v)][f"F{pl.chunk_of(v)}"] for v in range(pp * vpp)]
+        b = [per_rank[pl.rank_of(v)][f"B{pl.chunk_of(v)}"] for v in range(pp * vpp)]
         sim = simulate(build_schedule(resolve_schedule("auto", pp, vpp), pp, vpp, M_), pp, vpp, f, b)
         ok = "yes" if tot["p2p_bytes"] == plan["total"] else "NO"
         print(f"{vpp:>3} {comm:>6} {str(sizes):<26} {tot['p2p_bytes'] / 1e6:>12.3f} "
@@ -192,6 +243,85 @@ def measured(pp: int, M: int, steps: int, hidden: int, seq: int) -> None:
           " forward/backward time of every virtual stage; formula: (pp-1)/(vpp*M+pp-1).")
 
 
+# --------------------------------------------------------------------------------------------------------------
+# Part 3: receive waits, configs/tiny.yaml (gloo)
+# --------------------------------------------------------------------------------------------------------------
+def _tiny_cfg(pp: int, vpp: int):
+    return load_config(ROOT / "configs" / "tiny.yaml", [f"--parallel.pp={pp}", f"--parallel.vpp={vpp}"],
+                       world_size=pp)
+
+
+def _waits_rank_main(rank: int, world: int, port: int, vpp: int, modes: list[bool], steps: int, q) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=600))
+    from k3train.data.batch import Batch
+    from k3train.model.model import K3Model
+    from parallel.dims import ParallelDims
+    from parallel.pipeline import LossNorm, build_step_runner
+
+    cfg = _tiny_cfg(world, vpp)
+    M, B, T = cfg.train.grad_accum_steps, cfg.train.micro_batch_size, cfg.train.seq_len
+    g = torch.Generator().manual_seed(0)
+    batches = [Batch.from_samples(torch.randint(3, cfg.model.vocab_size, (B, T + 1), generator=g),
+                                  eos_id=cfg.model.eos_token_id) for _ in range(M)]
+    norm = LossNorm.from_batches(batches, cfg.model.mtp_loss_weight)
+    dims = ParallelDims.from_config(cfg.parallel, world, rank).build_groups()
+    out = {}
+    for ahead in modes:
+        model = K3Model(cfg.model)
+        model.init_weights(1)
+        runner = build_step_runner(model, cfg, dims, num_microbatches=M, post_ahead=ahead)
+        runner.forward_backward(batches, norm)  # warm-up
+        recs = []
+        for _ in range(steps):
+            runner.model.zero_grad(set_to_none=True)
+            dist.barrier()
+            st = runner.forward_backward(batches, norm)
+            recs.append((st["recv_wait_s"], st["step_s"], st["compute_s"]))
+        med = [sorted(x)[len(x) // 2] for x in zip(*recs)]
+        _, prog, _ = runner.program(M)
+        n_recv = sum(1 for ins in prog if ins.op == "recv")
+        out[ahead] = (*med, n_recv, st["loss"])
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, out)
+    if rank == 0:
+        q.put((M, gathered))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def recv_waits(layouts: list[tuple[int, int]], modes: list[bool], steps: int) -> None:
+    print("=" * 100)
+    print(f"Part 3: time blocked on p2p receives per step, configs/tiny.yaml, gloo, medians of {steps} steps")
+    print("=" * 100)
+    for pp, vpp in layouts:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        procs = [ctx.Process(target=_waits_rank_main, args=(r, pp, port, vpp, modes, steps, q)) for r in range(pp)]
+        for p in procs:
+            p.start()
+        M, per_rank = q.get(timeout=3600)
+        for p in procs:
+            p.join()
+        print(f"pp={pp} vpp={vpp} M={M} ({resolve_schedule('auto', pp, vpp)}):")
+        print(f"  {'posts':<13} {'recv wait ms per rank':<40} {'sum':>8} {'step ms (max)':>14} {'loss':>10}")
+        for ahead in modes:
+            waits = [r[ahead][0] * 1e3 for r in per_rank]
+            step = max(r[ahead][1] for r in per_rank) * 1e3
+            loss = sum(r[ahead][4] for r in per_rank)
+            print(f"  {'posted ahead' if ahead else 'time-ordered':<13} "
+                  f"{' '.join(f'{w:7.1f}' for w in waits):<40} {sum(waits):>8.1f} {step:>14.1f} {loss:>10.5f}")
+        losses = {sum(r[ahead][4] for r in per_rank) for ahead in modes}
+        if len(losses) > 1:
+            print(f"  MISMATCH: the two post orders gave different losses {sorted(losses)}")
+    print("  recv wait: seconds inside P2PTransport.wait (data not there yet); the loss (summed over ranks) must be"
+          " identical in both modes.")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--no-run", action="store_true", help="analytic part only")
@@ -200,10 +330,23 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--recv-waits", action="store_true",
+                    help="only Part 3: receive waits of configs/tiny.yaml at pp=2 vpp=2 and pp=4 vpp=2")
+    ap.add_argument("--post-ahead", choices=("both", "on", "off"), default="both",
+                    help="Part 3: receives posted one compute ahead (on), time-ordered (off), or both")
+    ap.add_argument("--layouts", default="2x2,4x2", help="Part 3: comma-separated PPxVPP layouts")
     args = ap.parse_args()
+    if args.recv_waits:
+        modes = {"both": [False, True], "on": [True], "off": [False]}[args.post_ahead]
+        layouts = [tuple(int(x) for x in lay.split("x")) for lay in args.layouts.split(",")]
+        recv_waits(layouts, modes, args.steps)
+        return
     # K3 layouts: (pp, vpp, micro-batches per pipeline per step)
     layouts = [(8, 1, 32), (8, 2, 32), (8, 3, 32), (16, 1, 32), (16, 2, 32), (12, 2, 24)]
     analytic_k3(layouts, show_table=(8, 2))
+    tie_break_k3(8, 4)
+    recv_lead_table([("1f1b", 4, 1, 8), ("interleaved", 2, 2, 4), ("interleaved", 4, 2, 4),
+                     ("interleaved", 8, 4, 32), ("afab", 4, 2, 8)])
     small = _small_cfg(4, 2, "cached", 8, args.hidden, args.seq)
     part = build_partition(small.model, small.parallel, args.seq)
     plan = AttnResCommPlan(part, "cached")

@@ -1,6 +1,8 @@
 """Muon (+AdamW for non-matrices) vs plain AdamW on the same tokens: loss after N steps, from real training runs.
 
-    python tools/compare_optimizers.py --config configs/small.yaml --steps 30 [--nproc 1] [--set train.seq_len=128 ...]
+    python tools/compare_optimizers.py --config configs/small.yaml --steps 30 [--nproc 1] [--train.seq_len=128 ...]
+
+Any other argument is a config override, written as for the trainer: ``--section.key=value``.
 
 Runs the trainer once per optimizer (same config, seed and global batches; only ``optim.name`` differs), then prints
 the loss at a few steps and the mean of the last 5 steps. Each run's metrics stay in ``<out>/<name>/metrics.jsonl``.
@@ -21,7 +23,7 @@ def overrides(name: str, args: argparse.Namespace, out: Path) -> list[str]:
     """The command-line overrides of the ``name`` run (only ``optim.name`` and the run directory differ)."""
     return [f"--optim.name={name}", f"--train.steps={args.steps}", f"--train.out_dir={out / name}",
             "--checkpoint.resume=none", "--checkpoint.save_final=false", "--logging.wandb=false",
-            *[f"--{s}" for s in args.set]]
+            *args.overrides]
 
 
 def run(name: str, args: argparse.Namespace, out: Path) -> list[dict]:
@@ -38,13 +40,13 @@ def run(name: str, args: argparse.Namespace, out: Path) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)
     ap.add_argument("--config", default="configs/small.yaml")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--nproc", type=int, default=1)
     ap.add_argument("--out", default="runs/compare_optimizers")
-    ap.add_argument("--set", nargs="*", default=[], help="extra overrides, e.g. train.seq_len=128")
-    args = ap.parse_args()
+    args, args.overrides = ap.parse_known_args()  # the rest: --section.key=value overrides (checked below)
     out = Path(args.out)
     sys.path.insert(0, str(ROOT))
     from k3train.preflight import is_bad_input, validate_run  # noqa: PLC0415

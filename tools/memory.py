@@ -3,6 +3,8 @@
     .venv/bin/python tools/memory.py --config configs/tiny.yaml --world-size 4 --parallel.pp=2 --parallel.vpp=2
     .venv/bin/python tools/memory.py --config configs/k3.yaml --world-size 8192 --parallel.pp=16 ... --json
     .venv/bin/python tools/memory.py --config configs/tiny.yaml --world-size 2 --parallel.pp=2 --measure
+    .venv/bin/python tools/memory.py --config configs/tiny.yaml --world-size 4 --parallel.cp=4 \
+        --train.seq_len=8192 --model.max_position_embeddings=8192 --train.micro_batch_size=1 --check-compose
 
 Prints one row per rank (GiB per category: params, grads, optimizer, activations at the peak, comm buffers, peak
 and where it happens; the worst rank per stage when a stage has more than 8 ranks). ``--json`` prints one
@@ -84,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", default="")
     ap.add_argument("--measure", action="store_true")
     ap.add_argument("--steps", type=int, default=3, help="with --measure: real steps (peak from step 2 on)")
+    ap.add_argument("--check-compose", action="store_true",
+                    help="compare the per-layer composition (used for long sequences) with whole-chunk traces")
     ap.add_argument("--all-ranks", action="store_true", help="print every rank (default: worst per stage "
                                                              "when a stage has more than 8)")
     args, overrides = ap.parse_known_args(argv)
@@ -101,6 +105,16 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError:
             print("k3train: error: --plot needs matplotlib (.venv/bin/pip install matplotlib)", file=sys.stderr)
             return 2
+    if args.check_compose:
+        from k3train.planning.memory import compose_check
+
+        rows = compose_check(cfg)
+        for r in rows:
+            err = [100 * (c - w) / w if w else 0.0 for w, c in zip(r["whole"], r["composed"])]
+            print(f"stage {r['stage']} cp_rank {r['cp_rank']}: whole (saved, f_peak, b_peak) "
+                  f"{[round(x / 2**20, 2) for x in r['whole']]} MiB, composed "
+                  f"{[round(x / 2**20, 2) for x in r['composed']]} MiB, error {[f'{e:+.2f}%' for e in err]}")
+        return 0
     est = estimate(cfg, args.world_size)
     if args.measure:
         measured = run_measure(args.config, args.world_size, overrides, args.steps)

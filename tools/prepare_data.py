@@ -14,6 +14,13 @@ Examples:
   # re-train the shipped tokenizer (then prepare, if --output-prefix is given too):
   python tools/prepare_data.py --train-tokenizer --input k3train/data/assets/kjv.txt.gz \\
       --tokenizer k3train/data/assets/tokenizer.json
+  # bring your own tokenizer.json: name its special tokens (the same names go in the run config's data section,
+  # data.bos_token / eos_token / pad_token, and their ids in model.bos_token_id / eos_token_id / pad_token_id)
+  python tools/prepare_data.py --input my.jsonl --tokenizer my/tokenizer.json --bos-token '<s>' \\
+      --eos-token '</s>' --pad-token '<pad>' --output-prefix data_cache/my_text_document
+
+A trained tokenizer can have fewer ids than --vocab-size (BPE stops when no pair of tokens occurs twice): a
+notice says how many it has (--exact-vocab-size makes that an error).
 """
 from __future__ import annotations
 
@@ -26,7 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from k3train.data.corpus import DEFAULT_CORPUS, DataError  # noqa: E402
-from k3train.data.tokenizer import DEFAULT_TOKENIZER, DEFAULT_VOCAB_SIZE  # noqa: E402
+from k3train.data.tokenizer import (BOS, DEFAULT_TOKENIZER, DEFAULT_VOCAB_SIZE, EOS, PAD,  # noqa: E402
+                                    SpecialTokens, vocab_shortfall)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,6 +46,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-prefix", help="write PREFIX.bin / PREFIX.idx / PREFIX.meta.json")
     ap.add_argument("--train-tokenizer", action="store_true", help="train a byte-level BPE on the inputs first")
     ap.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help="vocabulary size for --train-tokenizer")
+    ap.add_argument("--exact-vocab-size", action="store_true",
+                    help="with --train-tokenizer: fail when the corpus cannot reach --vocab-size")
+    ap.add_argument("--bos-token", default=BOS, help="the tokenizer's BOS token (config: data.bos_token)")
+    ap.add_argument("--eos-token", default=EOS, help="the tokenizer's EOS token, appended to every document "
+                    "(config: data.eos_token)")
+    ap.add_argument("--pad-token", default=PAD, help="the tokenizer's padding token (config: data.pad_token)")
+    ap.add_argument("--media-token", default="", help="a vision placeholder token, if the tokenizer has one "
+                    "(config: data.media_placeholder_token)")
     ap.add_argument("--json-key", default="text", help="document field of .jsonl inputs")
     ap.add_argument("--skip-empty", action="store_true", help="drop empty documents instead of failing")
     ap.add_argument("--batch-size", type=int, default=256, help="documents per tokenizer batch")
@@ -52,18 +68,24 @@ def main(argv: list[str] | None = None) -> int:
 
     from k3train.data.prepare import prepare, train_tokenizer
 
+    special = SpecialTokens(a.bos_token, a.eos_token, a.pad_token, a.media_token)
     try:
         if a.train_tokenizer:
             t0 = time.perf_counter()
-            tok = train_tokenizer(a.input, a.tokenizer, a.vocab_size, a.json_key, a.skip_empty)
+            tok = train_tokenizer(a.input, a.tokenizer, a.vocab_size, a.json_key, a.skip_empty, special)
             print(f"trained {tok} in {time.perf_counter() - t0:.1f}s")
+            short = vocab_shortfall(a.vocab_size, tok.vocab_size)
+            if short and a.exact_vocab_size:
+                raise DataError(short)
+            if short:
+                print(f"k3train: notice: {short}", file=sys.stderr, flush=True)
         if a.output_prefix:
             t0 = time.perf_counter()
-            info = prepare(a.input, a.tokenizer, a.output_prefix, a.json_key, a.skip_empty, a.batch_size)
+            info = prepare(a.input, a.tokenizer, a.output_prefix, a.json_key, a.skip_empty, a.batch_size, special)
             print(f"wrote {a.output_prefix}.bin/.idx: {info.num_documents} documents, {info.num_tokens} tokens "
                   f"({info.dtype.__name__}) in {time.perf_counter() - t0:.1f}s")
     except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"k3train: error: {e}", file=sys.stderr)
         return 2
     return 0
 

@@ -39,10 +39,25 @@ def run_fingerprint(cfg: Config) -> dict[str, Any]:
     return out
 
 
+def _field_default(key: str) -> Any:
+    """The declared default of a ``model.*`` field, or a sentinel when it has none."""
+    from k3train.config import ModelConfig
+
+    name = key.split(".", 1)[1] if key.startswith("model.") else None
+    for f in dataclasses.fields(ModelConfig):
+        if f.name == name and f.default is not dataclasses.MISSING:
+            return f.default
+    return object()
+
+
 def fingerprint_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """``["key old -> new", ...]`` for every key whose value differs (or exists on one side only)."""
+    """``["key old -> new", ...]`` for every key whose value differs (or exists on one side only). A model field
+    missing from an older checkpoint (added to k3train since) counts as its declared default: the old run
+    used the behaviour that default keeps."""
     out = []
     for k in sorted(set(old) | set(new)):
+        if k not in old and k in new and new[k] == _field_default(k):
+            continue
         a, b = old.get(k, "<absent>"), new.get(k, "<absent>")
         if a != b:
             out.append(f"{k} {a} -> {b}")

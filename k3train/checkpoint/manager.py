@@ -33,6 +33,8 @@ import logging
 import os
 import shutil
 import time
+import warnings
+from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +51,16 @@ from .fsio import atomic_write_text as _atomic_write_text
 from .fsio import check_file, file_record, fsync_dir, fsync_file
 
 log = logging.getLogger(__name__)
+
+
+@contextmanager
+def single_process_quiet():
+    """``torch.distributed.checkpoint`` warns "torch.distributed is disabled, unavailable or uninitialized,
+    assuming the intent is to save in a single process" on every save/load without a process group: that is
+    exactly what a one-process run means, so the warning is dropped there (and only there)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
 
 COMPLETE = "COMPLETE"
 TMP_PREFIX = ".tmp_step_"
@@ -235,7 +247,8 @@ class CheckpointManager:
             self.last_stall_s = time.perf_counter() - t0
             log.info("checkpoint step %d: staged in %.2fs, writing in the background", step, self.last_stall_s)
             return self.root / step_dir_name(step)
-        dcp.save(tensor_state, checkpoint_id=str(tmp))
+        with single_process_quiet():
+            dcp.save(tensor_state, checkpoint_id=str(tmp))
         final = self._finish(step, tmp, dict(meta or {}))
         self.last_stall_s = time.perf_counter() - t0
         log.info("checkpoint step %d saved to %s in %.2fs", step, final, self.last_stall_s)
@@ -357,7 +370,8 @@ class CheckpointManager:
         path = Path(path)
         if not (path / COMPLETE).is_file():
             raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMPLETE} marker)")
-        dcp.load(tensor_state, checkpoint_id=str(path))
+        with single_process_quiet():
+            dcp.load(tensor_state, checkpoint_id=str(path))
         rank, world = _rank_world()
         info = read_info(path)
         own = path / f"rank_{rank:05d}.pt"

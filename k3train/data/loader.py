@@ -35,7 +35,7 @@ import torch
 from k3train.data.batch import Batch
 from k3train.data.corpus import DataError
 from k3train.data.dataset import build_gpt_datasets, sample_tokens
-from k3train.data.tokenizer import TextTokenizer, load_tokenizer
+from k3train.data.tokenizer import TextTokenizer, load_config_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class GlobalBatchLoader:
             raise DataError(f"unknown split {split!r} (train, valid or test)")
         if consumed_samples < 0:
             raise DataError(f"consumed_samples must be >= 0, got {consumed_samples}")
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.data.tokenizer)
+        self.tokenizer = tokenizer if tokenizer is not None else load_config_tokenizer(cfg)
         model_vocab = getattr(getattr(cfg, "model", None), "vocab_size", None)
         if model_vocab is not None and model_vocab < self.tokenizer.vocab_size:
             raise DataError(f"model.vocab_size={model_vocab} is smaller than the tokenizer's {self.tokenizer.vocab_size} "

@@ -9,8 +9,8 @@ import numpy as np
 
 from k3train.data.corpus import DataError, Document, read_documents
 from k3train.data.dataset import IndexInfo, write_indexed_dataset
-from k3train.data.tokenizer import (DEFAULT_VOCAB_SIZE, TextTokenizer, load_tokenizer, save_tokenizer,
-                                    train_bpe_tokenizer)
+from k3train.data.tokenizer import (DEFAULT_VOCAB_SIZE, SpecialTokens, TextTokenizer, load_tokenizer,
+                                    save_tokenizer, train_bpe_tokenizer)
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +56,11 @@ def tokenize_documents(docs: Iterator[Document], tok: TextTokenizer, batch_size:
 
 
 def prepare(inputs: Sequence[str | Path], tokenizer: str | Path | TextTokenizer, output_prefix: str | Path,
-            json_key: str = "text", skip_empty: bool = False, batch_size: int = 256) -> IndexInfo:
-    """Tokenize ``inputs`` into ``output_prefix.{bin,idx,meta.json}`` (EOS after every document)."""
-    tok = tokenizer if isinstance(tokenizer, TextTokenizer) else load_tokenizer(tokenizer)
+            json_key: str = "text", skip_empty: bool = False, batch_size: int = 256,
+            special: SpecialTokens | None = None) -> IndexInfo:
+    """Tokenize ``inputs`` into ``output_prefix.{bin,idx,meta.json}`` (EOS after every document); ``special``
+    names the tokenizer's special tokens (default: the shipped names)."""
+    tok = tokenizer if isinstance(tokenizer, TextTokenizer) else load_tokenizer(tokenizer, special)
     docs = iter_documents(inputs, json_key, skip_empty)
     meta = {"tokenizer": str(tok.path), "tokenizer_sha256": tok.sha256, "inputs": [str(p) for p in inputs]}
     return write_indexed_dataset(output_prefix, tokenize_documents(docs, tok, batch_size), tok.eos_id,
@@ -66,8 +68,10 @@ def prepare(inputs: Sequence[str | Path], tokenizer: str | Path | TextTokenizer,
 
 
 def train_tokenizer(inputs: Sequence[str | Path], output: str | Path, vocab_size: int = DEFAULT_VOCAB_SIZE,
-                    json_key: str = "text", skip_empty: bool = False) -> TextTokenizer:
-    """Train the byte-level BPE on the documents of ``inputs`` and save it to ``output``."""
+                    json_key: str = "text", skip_empty: bool = False,
+                    special: SpecialTokens | None = None) -> TextTokenizer:
+    """Train the byte-level BPE on the documents of ``inputs`` and save it to ``output``. It may have fewer ids
+    than ``vocab_size`` (the caller compares ``.vocab_size``: :func:`k3train.data.tokenizer.vocab_shortfall`)."""
     texts = (d.text for d in iter_documents(inputs, json_key, skip_empty))
-    save_tokenizer(train_bpe_tokenizer(texts, vocab_size), output)
-    return load_tokenizer(output)
+    save_tokenizer(train_bpe_tokenizer(texts, vocab_size, special=special), output)
+    return load_tokenizer(output, special)

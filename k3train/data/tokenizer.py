@@ -4,11 +4,17 @@ The shipped ``assets/tokenizer.json`` has 4096 entries: ids 0, 1, 2 are ``<|bos|
 then the 256 byte symbols, then merges. Byte-level BPE without a normalizer is lossless:
 ``decode(encode(s)) == s`` for any string. Encoding adds no special tokens; the data pipeline appends EOS to
 every document itself. Re-train with ``tools/prepare_data.py --train-tokenizer``.
+
+Another ``tokenizer.json`` works when it names its special tokens: ``data.bos_token / eos_token / pad_token``
+(default ``<|bos|>``, ``<|eos|>``, ``<|pad|>``; e.g. ``<s>``, ``</s>``, ``<pad>`` for a SentencePiece-style one)
+and, for a vision tokenizer, ``data.media_placeholder_token``. :class:`SpecialTokens` carries those names.
 """
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -21,24 +27,51 @@ DEFAULT_TOKENIZER = ASSETS_DIR / "tokenizer.json"
 DEFAULT_VOCAB_SIZE = 4096
 
 
-class TextTokenizer:
-    """Thin wrapper over a ``tokenizers.Tokenizer`` with the three special tokens the pipeline needs.
+@dataclass(frozen=True)
+class SpecialTokens:
+    """The literal names of the special tokens in a tokenizer (``data.*_token`` in the config); ``media``
+    (a vision placeholder) is optional: "" = the tokenizer has none."""
+    bos: str = BOS
+    eos: str = EOS
+    pad: str = PAD
+    media: str = ""
 
-    Attributes: ``vocab_size`` (int, including special tokens), ``bos_id``, ``eos_id``, ``pad_id``,
-    ``path`` and ``sha256`` (of the JSON file, used to tie a prepared dataset to its tokenizer).
+    @classmethod
+    def from_config(cls, data_cfg: Any) -> "SpecialTokens":
+        """From a config's ``data`` section (defaults for an object without the fields)."""
+        d = cls()
+        return cls(*(getattr(data_cfg, f"{k}_token", getattr(d, k)) for k in ("bos", "eos", "pad")),
+                   getattr(data_cfg, "media_placeholder_token", d.media))
+
+    def named(self) -> list[tuple[str, str]]:
+        """``[(config key, token name)]`` of the tokens that must exist."""
+        out = [("data.bos_token", self.bos), ("data.eos_token", self.eos), ("data.pad_token", self.pad)]
+        return out + ([("data.media_placeholder_token", self.media)] if self.media else [])
+
+
+class TextTokenizer:
+    """Thin wrapper over a ``tokenizers.Tokenizer`` with the special tokens the pipeline needs.
+
+    Attributes: ``vocab_size`` (int, including special tokens), ``bos_id``, ``eos_id``, ``pad_id``, ``media_id``
+    (None without a media placeholder), ``path`` and ``sha256`` (of the JSON file, used to tie a prepared dataset
+    to its tokenizer).
     """
 
-    def __init__(self, tok: Tokenizer, path: str = "<memory>", sha256: str = "") -> None:
+    def __init__(self, tok: Tokenizer, path: str = "<memory>", sha256: str = "",
+                 special: SpecialTokens | None = None) -> None:
         self._tok = tok
         self.path = path
         self.sha256 = sha256
+        self.special = special or SpecialTokens()
         ids = {}
-        for name in SPECIAL_TOKENS:
+        for key, name in self.special.named():
             i = tok.token_to_id(name)
             if i is None:
-                raise DataError(f"tokenizer {path} has no special token {name!r}")
-            ids[name] = i
-        self.bos_id, self.eos_id, self.pad_id = ids[BOS], ids[EOS], ids[PAD]
+                raise DataError(f"{key}: tokenizer {path} has no special token {name!r}; set {key} to the name "
+                                f"this tokenizer uses (e.g. '<s>'), or add the token when training it")
+            ids[key] = i
+        self.bos_id, self.eos_id, self.pad_id = ids["data.bos_token"], ids["data.eos_token"], ids["data.pad_token"]
+        self.media_id: int | None = ids.get("data.media_placeholder_token")
         self.vocab_size: int = tok.get_vocab_size(with_added_tokens=True)
         self.special_ids = frozenset(ids.values())
 
@@ -66,8 +99,9 @@ def file_sha256(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def load_tokenizer(path: str | Path = DEFAULT_TOKENIZER) -> TextTokenizer:
-    """Load a ``tokenizer.json``. Raises :class:`DataError` naming the file when missing or malformed."""
+def load_tokenizer(path: str | Path = DEFAULT_TOKENIZER, special: SpecialTokens | None = None) -> TextTokenizer:
+    """Load a ``tokenizer.json`` whose special tokens are named ``special`` (default: the shipped names).
+    Raises :class:`DataError` naming the file when missing or malformed, or the key of a missing token."""
     p = Path(path)
     if not p.is_file():
         raise DataError(f"tokenizer file not found: {p} (train one with tools/prepare_data.py --train-tokenizer)")
@@ -75,16 +109,23 @@ def load_tokenizer(path: str | Path = DEFAULT_TOKENIZER) -> TextTokenizer:
         tok = Tokenizer.from_file(str(p))
     except Exception as e:  # tokenizers raises a bare Exception for malformed JSON
         raise DataError(f"cannot load tokenizer {p}: {str(e).splitlines()[0]}") from None
-    return TextTokenizer(tok, str(p), file_sha256(p))
+    return TextTokenizer(tok, str(p), file_sha256(p), special)
+
+
+def load_config_tokenizer(cfg: Any) -> TextTokenizer:
+    """The tokenizer a run config names: ``data.tokenizer`` with the ``data.*_token`` names."""
+    return load_tokenizer(cfg.data.tokenizer, SpecialTokens.from_config(cfg.data))
 
 
 def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE,
-                        min_frequency: int = 2) -> Tokenizer:
-    """Train a byte-level BPE on ``texts``. Special tokens get ids 0..2; every byte is in the alphabet, so
-    any text encodes without unknown tokens."""
-    if vocab_size < len(SPECIAL_TOKENS) + 256:
+                        min_frequency: int = 2, special: SpecialTokens | None = None) -> Tokenizer:
+    """Train a byte-level BPE on ``texts``. Special tokens get ids 0..2 (3 with a media placeholder); every byte
+    is in the alphabet, so any text encodes without unknown tokens. The result can be SMALLER than
+    ``vocab_size``: merges stop when no pair occurs ``min_frequency`` times (see :func:`vocab_shortfall`)."""
+    names = [n for _, n in (special or SpecialTokens()).named()]
+    if vocab_size < len(names) + 256:
         raise DataError(f"vocab_size={vocab_size} is too small: byte-level BPE needs >= "
-                        f"{len(SPECIAL_TOKENS) + 256} (specials + 256 bytes)")
+                        f"{len(names) + 256} (specials + 256 bytes)")
     tok = Tokenizer(models.BPE())
     # No normalizer and no prefix space: encoding is exactly invertible.
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -92,12 +133,21 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SI
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=min_frequency,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=names,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
     return tok
+
+
+def vocab_shortfall(requested: int, got: int, min_frequency: int = 2) -> str:
+    """A one-line notice when training produced fewer ids than requested ("" when it reached the size)."""
+    if got >= requested:
+        return ""
+    return (f"--vocab-size {requested} cannot be reached on this corpus: BPE merges stopped at {got} ids (no pair "
+            f"of tokens left that occurs {min_frequency}+ times); the tokenizer has {got} ids. Use more text, or "
+            f"keep model.vocab_size >= {got} (larger is fine: the extra embedding rows are never used)")
 
 
 def save_tokenizer(tok: Tokenizer, path: str | Path) -> None:

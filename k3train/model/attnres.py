@@ -29,14 +29,35 @@ from torch.utils.checkpoint import checkpoint
 from k3train.model.norm import RMSNorm
 
 
+RESIDUALS = ("attnres", "standard")
+
+
+def canonical_layout(layer: int, block_size: int, residual: str = "attnres") -> tuple[int, bool]:
+    """``(number of blocks, has a partial sum)`` of the canonical state before ``layer`` (``layer`` = the number of
+    layers: the state the final aggregation reads). The one rule the model, the pipeline's AttnRes plan and the
+    memory estimator share.
+
+    Block AttnRes: ``1 + layer // block_size`` blocks (the embedding and the completed blocks) and a partial sum
+    inside a block. Standard residual (``model.residual: standard``): no blocks and always a "partial sum", which
+    is the residual stream ``h`` itself (the embedding before layer 0), so a pipeline boundary carries just that
+    one hidden state through the same machinery.
+    """
+    if residual == "standard":
+        return 0, True
+    if residual != "attnres":
+        raise ValueError(f"residual must be one of {RESIDUALS}, got {residual!r}")
+    return 1 + layer // block_size, layer % block_size != 0
+
+
 @dataclass
 class AttnResState:
     """The depth state between layers.
 
     ``blocks``: ``[b_0 (embedding), b_1, ...]`` each ``[B, T, d]`` (completed block sums).
     ``partial``: current block's partial sum ``[B, T, d]``, or ``None`` at a block start.
-    Canonical before layer ``start``: ``len(blocks) == 1 + start // block_size`` and
-    ``partial is None`` iff ``start % block_size == 0``.
+    Canonical before layer ``start``: see :func:`canonical_layout` (Block AttnRes: ``len(blocks) == 1 + start //
+    block_size`` and ``partial is None`` iff ``start % block_size == 0``; standard residual: ``blocks == []`` and
+    ``partial`` = the residual stream).
     """
 
     blocks: list[torch.Tensor] = field(default_factory=list)
@@ -46,13 +67,13 @@ class AttnResState:
         """What an aggregation attends over: the blocks, then the partial sum when present."""
         return self.blocks if self.partial is None else [*self.blocks, self.partial]
 
-    def check_canonical(self, start: int, block_size: int) -> None:
+    def check_canonical(self, start: int, block_size: int, residual: str = "attnres") -> None:
         """Raise ValueError if this state is not the one layer ``start`` expects."""
-        want_blocks = 1 + start // block_size
-        want_partial = start % block_size != 0
+        want_blocks, want_partial = canonical_layout(start, block_size, residual)
         if len(self.blocks) != want_blocks or (self.partial is not None) != want_partial:
             raise ValueError(
-                f"AttnResState before layer {start} (attn_res_block_size={block_size}) must have {want_blocks} "
+                f"AttnResState before layer {start} (model.residual={residual}, attn_res_block_size={block_size}) "
+                f"must have {want_blocks} "
                 f"blocks and {'a' if want_partial else 'no'} partial sum; got {len(self.blocks)} blocks and "
                 f"{'a' if self.partial is not None else 'no'} partial sum")
 

@@ -7,12 +7,21 @@ fed by its own Block AttnRes aggregation and pre-norm.
 
 FQNs inside ``layers.{i}``: ``attn_res.{query, key_norm.weight}``, ``attn_norm.weight``, ``attn.*``,
 ``ffn_res.{query, key_norm.weight}``, ``ffn_norm.weight``, ``ffn.*``.
+
+With ``model.residual: standard`` (the ablation that measures what Block AttnRes costs and brings) the layer is
+a plain PreNorm residual block on the state's one running tensor ``h`` (``state.partial``, no blocks)::
+
+    h <- h + attn(attn_norm(h));     h <- h + ffn(ffn_norm(h))
+
+and has no ``attn_res`` / ``ffn_res`` parameters (``attn_res_recompute`` then recomputes the pre-norms).
 """
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from k3train.model.attnres import AttnRes, AttnResState
 from k3train.model.ffn import DenseFFN
@@ -51,19 +60,26 @@ class K3Layer(nn.Module):
         self.kind = cfg.layer_kind(layer_idx)
         self.block_size = cfg.attn_res_block_size
         self.recompute = cfg.attn_res_recompute
-        self.attn_res = AttnRes(d, eps)
+        self.residual = cfg.residual
+        attnres = self.residual == "attnres"
+        self.attn_res = AttnRes(d, eps) if attnres else None
         self.attn_norm = RMSNorm(d, eps)
         self.attn = build_mixer(cfg, self.kind)
-        self.ffn_res = AttnRes(d, eps)
+        self.ffn_res = AttnRes(d, eps) if attnres else None
         self.ffn_norm = RMSNorm(d, eps)
         self.ffn = build_ffn(cfg, cfg.is_moe_layer(layer_idx))
 
     @property
     def ends_block(self) -> bool:
-        """Whether this layer's partial sum becomes a completed block."""
-        return (self.layer_idx + 1) % self.block_size == 0
+        """Whether this layer's partial sum becomes a completed block (never under the standard residual)."""
+        return self.residual == "attnres" and (self.layer_idx + 1) % self.block_size == 0
 
     def forward(self, state: AttnResState, seq: SeqInfo) -> AttnResState:
+        if self.residual == "standard":
+            h = state.partial
+            h = h + self.attn(self._pre_norm(self.attn_norm, h), seq)
+            h = h + self.ffn(self._pre_norm(self.ffn_norm, h))
+            return AttnResState(blocks=[], partial=h)
         blocks = state.blocks
         x = self.attn_res(state.sources(), self.attn_norm, self.recompute)
         out = self.attn(x, seq)
@@ -73,6 +89,15 @@ class K3Layer(nn.Module):
         if self.ends_block:
             return AttnResState(blocks=[*blocks, partial], partial=None)
         return AttnResState(blocks=list(blocks), partial=partial)
+
+    def _pre_norm(self, norm: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        """``norm(h)``; under ``attn_res_recompute`` recomputed in backward (non-reentrant checkpoint) exactly as
+        the AttnRes path recomputes its aggregation + pre-norm, so the ablation compares like with like: per
+        sublayer autograd keeps the residual stream and the normalised input (what a fused RMSNorm keeps), not
+        the norm's fp32 intermediates."""
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(norm, h, use_reentrant=False)
+        return norm(h)
 
     def extra_repr(self) -> str:
         return f"layer={self.layer_idx}, kind={self.kind}, ends_block={self.ends_block}"

@@ -18,7 +18,6 @@ left halo from ``seq.cp.conv_halo`` and the core op is ``seq.cp.kda`` (it carrie
 """
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable
 
 import torch
@@ -28,7 +27,7 @@ from torch import nn
 from k3train.model.conv import ShortConv
 from k3train.model.norm import RMSNorm
 from k3train.model.seq import SeqInfo
-from k3train.ops.kda import chunk_kda
+from k3train.ops.kda import layer_kda_op
 from k3train.optim.param_groups import mark_per_head
 
 
@@ -96,7 +95,7 @@ class KDALayer(nn.Module):
         self.o_proj = nn.Linear(hk, d, bias=False)
         self.mark_param_attrs()
         # (q, k, v, g, beta, *, scale, cu_seqlens) -> (o, final_state); the token-loop reference fits too.
-        self.kda_op: Callable[..., Any] = functools.partial(chunk_kda, chunk_size=cfg.kda_chunk_size)
+        self.kda_op: Callable[..., Any] = layer_kda_op(cfg)  # chunk_kda with the config's chunking and gate bound
 
     def mark_param_attrs(self) -> None:
         """Per-head Muon orthogonalises each head's rows of W_q, W_k, W_v separately (rows are head-major).

@@ -9,6 +9,10 @@ The stage seam is the :class:`AttnResState` (completed blocks + partial sum): a 
 ``forward_layers(state, start, end, seq)`` for any cut; the first stage calls ``embed`` and the last
 ``loss_sums``. ``layers`` is an ``nn.ModuleDict`` keyed by the global layer index so a pruned model (pipeline
 chunk) keeps the full model's FQNs; pruned top-level parts are set to ``None``.
+
+``model.residual: standard`` swaps Block AttnRes for a PreNorm residual stream (the ablation): the state then holds
+one running tensor ``h`` as its ``partial`` and no blocks (see :func:`k3train.model.attnres.canonical_layout`), the
+final "aggregation" is ``h`` itself and the model has no ``final_attnres``.
 """
 from __future__ import annotations
 
@@ -80,9 +84,10 @@ class K3Model(nn.Module):
         d, V = cfg.hidden_size, cfg.vocab_size
         self.block_size = cfg.attn_res_block_size
         self.recompute = cfg.attn_res_recompute
+        self.residual = cfg.residual
         self.embed_tokens: nn.Embedding | None = nn.Embedding(V, d)
         self.layers = nn.ModuleDict({str(i): K3Layer(cfg, i) for i in range(L)})
-        self.final_attnres: AttnRes | None = AttnRes(d, cfg.rms_norm_eps)
+        self.final_attnres: AttnRes | None = AttnRes(d, cfg.rms_norm_eps) if self.residual == "attnres" else None
         self.norm: RMSNorm | None = RMSNorm(d, cfg.rms_norm_eps)
         self.lm_head: nn.Linear | None = nn.Linear(d, V, bias=False)
         self.mtp: MTPLayer | None = MTPLayer(cfg) if cfg.num_nextn_predict_layers > 0 else None
@@ -90,16 +95,20 @@ class K3Model(nn.Module):
     # ---------------------------------------------------------------------------------------------------------
     # stage seams
     def embed(self, tokens: torch.Tensor) -> AttnResState:
-        """``tokens [B, T]`` -> the state before layer 0 (``blocks = [embedding]``, no partial sum)."""
+        """``tokens [B, T]`` -> the state before layer 0 (``blocks = [embedding]``, no partial sum; standard
+        residual: ``partial = embedding``, no blocks)."""
         if self.embed_tokens is None:
             raise RuntimeError("embed() called on a model chunk without embed_tokens")
-        return AttnResState(blocks=[self.embed_tokens(tokens)], partial=None)
+        emb = self.embed_tokens(tokens)
+        if self.residual == "standard":
+            return AttnResState(blocks=[], partial=emb)
+        return AttnResState(blocks=[emb], partial=None)
 
     def forward_layers(self, state: AttnResState, start: int, end: int, seq: SeqInfo) -> AttnResState:
         """Run layers ``[start, end)`` (global indices) on ``state`` (canonical for ``start``)."""
         if not 0 <= start <= end <= self.cfg.num_hidden_layers:
             raise ValueError(f"layer range [{start}, {end}) outside 0..{self.cfg.num_hidden_layers}")
-        state.check_canonical(start, self.block_size)
+        state.check_canonical(start, self.block_size, self.residual)
         for i in range(start, end):
             key = str(i)
             if key not in self.layers:
@@ -108,7 +117,11 @@ class K3Model(nn.Module):
         return state
 
     def final_aggregate(self, state: AttnResState) -> torch.Tensor:
-        """Final AttnRes over all blocks (+ the last partial sum), before the final norm: ``[B, T, d]``."""
+        """Final AttnRes over all blocks (+ the last partial sum), before the final norm: ``[B, T, d]`` (the
+        residual stream ``h`` itself under the standard residual)."""
+        if self.residual == "standard":
+            state.check_canonical(self.cfg.num_hidden_layers, self.block_size, self.residual)
+            return state.partial
         if self.final_attnres is None:
             raise RuntimeError("final_aggregate() called on a model chunk without final_attnres")
         state.check_canonical(self.cfg.num_hidden_layers, self.block_size)

@@ -1,4 +1,7 @@
-"""Chunkwise-parallel KDA (Kimi Delta Attention): the training path, in plain differentiable torch ops.
+"""Chunkwise-parallel KDA (Kimi Delta Attention) in plain differentiable torch ops: the autograd reference.
+
+The training path is :mod:`k3train.ops.kda_function` (same math, hand-written backward); this module stays as the
+reference its tests compare against, and provides ``kda_transition`` for KCP.
 
 Recurrence per head (see :mod:`k3train.ops.kda_naive` for the token loop it must match)::
 
@@ -46,7 +49,7 @@ from torch import Tensor
 
 from .kda_naive import check_kda_inputs, compute_dtype
 
-__all__ = ["chunk_kda", "kda_transition", "SUB_TILE"]
+__all__ = ["chunk_kda_autograd", "kda_transition", "SUB_TILE"]
 
 SUB_TILE = 16
 # Largest per-channel log-decay span inside one 16-token sub-tile for which the diagonal sub-tiles use the dense
@@ -232,10 +235,13 @@ def _fold(M: Tensor, Hs: Tensor | None, layout: _Layout, S0: Tensor) -> tuple[li
 # ----------------------------------------------------------------------------------------------------------------
 # Public entry points
 # ----------------------------------------------------------------------------------------------------------------
-def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float | None = None,
-              initial_state: Tensor | None = None, output_final_state: bool = False,
-              cu_seqlens: Tensor | None = None, chunk_size: int = 64) -> tuple[Tensor, Tensor | None]:
+def chunk_kda_autograd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float | None = None,
+                       initial_state: Tensor | None = None, output_final_state: bool = False,
+                       cu_seqlens: Tensor | None = None, chunk_size: int = 64) -> tuple[Tensor, Tensor | None]:
     """Chunkwise KDA, differentiable through plain torch ops (flash-linear-attention ``chunk_kda`` layout).
+
+    The reference the hand-written backward (:mod:`k3train.ops.kda_function`, the training path) is tested
+    against; it reads the decay span from the data (one host synchronisation) to pick the diagonal sub-tile path.
 
     Args:
         q, k: ``[B,T,H,K]`` used as given (normalise outside). v: ``[B,T,H,V]``.

@@ -16,9 +16,9 @@ QB histogram. :class:`KnownData`, entered *inside* a ``FakeTensorMode``, keeps t
   fixes every per-expert row count and so every grouped-FFN shape;
 * ``bincount`` of fake data (the QB score histogram) returns fake zeros of ``minlength`` (statistics only);
 * ``torch._grouped_mm`` on fake operands gets its result shape here (torch's fake kernel is bf16-only);
-* a Python scalar read from fake data (``.item()``) is 0: in a training step that is the KDA decay span, which
-  picks chunk_kda's dense-diagonal path -- always the path of the lower-bounded gate K3 uses (with
-  ``kda_decay_form=softplus`` a real run may take the masked path and hold more).
+* a Python scalar read from fake data (``.item()``) is 0: in a training step only statistics read one (the KDA
+  op chooses its sub-tile path from the gate's parameterisation, never from values, so fake and real runs take
+  the same path).
 
 Everything else is the real code running on fake tensors; nothing the size of the model is allocated.
 """
@@ -96,8 +96,7 @@ class KnownData(TorchDispatchMode):
         if func is aten._grouped_mm.default:
             return _grouped_mm_shape(*args, **kwargs)
         if func is aten._local_scalar_dense.default:
-            # a scalar read from fake data reads 0: the KDA decay span (chunk_kda's dense-diagonal switch, which
-            # the lower-bounded gate always takes) and statistics; see the module docstring
+            # a scalar read from fake data reads 0 (statistics); see the module docstring
             return False if args[0].dtype == torch.bool else (0.0 if args[0].is_floating_point() else 0)
         # a real operand of an op on fake data: the fake mode converts it (allow_non_fake_inputs)
         return func(*args, **kwargs)

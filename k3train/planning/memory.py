@@ -11,9 +11,11 @@ booked by :class:`~k3train.planning.live_bytes.LiveBytes`; nothing the size of t
   and ``model.attn_res_recompute`` act as in training) and its backward: bytes saved for backward per chunk and
   micro-batch, and the transient peak inside the forward and the backward. When the run's dataset can be read,
   on its real micro-batches (the ones with the fewest and the most padded KDA chunks of steps 2-3; every other
-  micro-batch interpolated by its chunk count), else on one document per row. Long sequences (tokens x layers
-  over ``TRACE_BUDGET``: K3) trace each distinct layer alone at 1K/2K/4K tokens, fit a + bT + cT^2 exactly and
-  compose the chunk (:func:`trace_chunk`);
+  micro-batch interpolated by its chunk count), else on one document per row. Under CP, per CP rank, with the
+  real KCP context (halo, pair gather and fold, MLA latent prefix) whose collectives are simulated locally
+  (:mod:`k3train.planning.sim_collectives`: same shapes and in-place writes, no peers). Long sequences (tokens x
+  layers over ``TRACE_BUDGET``: K3) trace each distinct layer alone at 1K/2K/4K tokens, fit a + bT + cT^2
+  exactly and compose the chunk (:func:`trace_chunk`; under CP at ranks 0 and 1, extended affinely in the rank);
 * the optimizer update: ``muon_step_`` / ``adamw_step_`` on the largest owned parameters (Newton-Schulz
   temporaries);
 * ownership: ``k3train.optim.param_groups.build_param_infos`` + ``k3train.optim.zero.assign_owners`` over the
@@ -29,17 +31,16 @@ What is COMPUTED (distributed pieces cannot run without process groups; sizes fr
   incoming gradients during B;
 * EP (ep > 1): the expert layer runs locally on the rank's shard with ``N*k`` rows (what MoonEP computes; plain
   EP's expectation under balanced routing); the persistent send/recv buffers from ``moonep.comm.token_buffer_rows``;
-  MoonEP replica weights (fresh ``[E/ep, l, f] x 3`` per MoE layer and call, saved for backward) per in-flight
-  micro-batch, and their gradients' reduce-back during B;
-* KCP: per KDA layer and micro-batch the gathered pairs ``cp*B*H*dk*(dk+dv)*4`` bytes (kept for the backward's
-  transposed fold); MLA-CP: the all-gathered latent prefix ``B*T*(kv_lora_rank+qk_rope_head_dim)`` per MLA layer.
+  MoonEP's replica pool (two banks of ``[E/ep, l, f] x 3`` shared by all MoE layers, persistent), and during a
+  MoE layer's B its replicas' gradients plus at most two reduce-back receive rounds (3 x one layer's replicas);
 
 Assumptions: balanced routing (``KnownData``: what Quantile Balancing converges to); a scalar read from fake
-data is 0 (the KDA decay-span switch takes the lower-bounded gate's dense path). Not modelled: allocator
+data is 0 (statistics only). Not modelled: allocator
 rounding/fragmentation (add ~5-10% on GPU), NCCL workspaces, the data loader's few KiB.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from dataclasses import asdict, dataclass, field
@@ -130,16 +131,21 @@ def _nbytes(tensors: Any) -> int:
     return sum(seen.values())
 
 
-def trace_batch(cfg: Config, B: int, T: int) -> tuple[Any, str]:
+def trace_batch(cfg: Config, B: int, T: int, cp_rank: int = 0) -> tuple[Any, str]:
     """A synthetic micro-batch ``[B, T]``, one document per row (the least chunked-KDA padding), for runs
-    whose data cannot be read yet (planning) and the per-layer traces of long sequences."""
+    whose data cannot be read yet (planning) and the per-layer traces of long sequences; under CP the
+    ``cp_rank``-th segment of each row (positions ``cp_rank*T ...``, the row's one document crossing it)."""
+    import dataclasses
+
     from k3train.data.batch import Batch
 
     g = torch.Generator().manual_seed(0)
     samples = torch.randint(3, max(4, cfg.model.vocab_size), (B, T + 1), generator=g)
     samples[samples == cfg.model.eos_token_id] = 3
-    return (Batch.from_samples(samples, eos_id=cfg.model.eos_token_id, pad_id=cfg.model.pad_token_id),
-            "a synthetic (one document per row)")
+    batch = Batch.from_samples(samples, eos_id=cfg.model.eos_token_id, pad_id=cfg.model.pad_token_id)
+    if cp_rank:
+        batch = dataclasses.replace(batch, positions=batch.positions + cp_rank * T)
+    return batch, "a synthetic (one document per row)"
 
 
 def data_microbatches(cfg: Config, dp_rank: int = 0, cp_rank: int = 0,
@@ -220,34 +226,80 @@ def build_stage(full: nn.Module, part: Any, pp_rank: int) -> nn.Module:
     return prune_to_stage(m, part, pp_rank)
 
 
+def _single_rank_cp(ctx: Any, rank: int, size: int) -> Any:
+    """The KCP context of one thread-rank, re-pointed at a board-less group: the traced step runs that rank
+    alone (its float collectives simulated by replication)."""
+    from k3train.planning.sim_collectives import SimGroup
+
+    ctx.group = SimGroup(size, rank, "cp")
+    return ctx
+
+
+def _track_existing(lb: LiveBytes, model: nn.Module | None, *objs: Any) -> None:
+    """Book the tensors that exist before a traced piece of code (see :func:`trace_range`)."""
+    ts: list[torch.Tensor] = []
+    if model is not None:
+        for p in model.parameters():
+            ts.append(p)
+            if p.grad is not None:
+                ts.append(p.grad)
+        ts.extend(model.buffers())
+    for o in objs:
+        if isinstance(o, torch.Tensor):
+            ts.append(o)
+        elif isinstance(o, (list, tuple)):
+            ts.extend(t for t in o if isinstance(t, torch.Tensor))
+        elif hasattr(o, "__dataclass_fields__"):
+            ts.extend(v for v in vars(o).values() if isinstance(v, torch.Tensor))
+    lb.track(ts)
+
+
 def trace_range(cfg: Config, model: nn.Module, s: int, e: int, first: bool, last: bool, batch: Any,
-                fake: FakeTensorMode, recompute: bool) -> tuple[int, int, int]:
+                fake: FakeTensorMode, recompute: bool, cp_rank: int | None = None,
+                cp_row: list[Any] | None = None) -> tuple[int, int, int]:
     """Forward + backward of layers ``[s, e)`` (with the embedding when ``first``, the head + MTP when ``last``)
     on one micro-batch, as ``PipelineRunner._forward/_backward`` (or ``LocalRunner._run``) run it, from the
     canonical AttnRes input state of layer ``s``. Returns ``(saved, f_peak, b_peak)``: bytes alive after the
     forward, and the peaks above the pre-forward live bytes during the forward and the backward."""
-    from k3train.model.attnres import AttnResState
+    from k3train.model.attnres import AttnResState, canonical_layout
     from k3train.model.seq import SeqInfo
     from parallel.pipeline.stage import run_maybe_recomputed
 
     d, bs = cfg.model.hidden_size, cfg.model.attn_res_block_size
+    n_in, has_partial = canonical_layout(s, bs, cfg.model.residual)  # the input state's blocks / partial sum
     dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32
     B, T = batch.tokens.shape
-    seq = SeqInfo.from_doc_ids(batch.doc_ids, batch.positions)
+    sim: Any = contextlib.nullcontext
+    if cp_rank is None or cfg.parallel.cp == 1:
+        seq = SeqInfo.from_doc_ids(batch.doc_ids, batch.positions)
+    else:  # the real KCP context of CP rank ``cp_rank`` (``cp_row``: every CP rank's segment of these rows),
+        # built by all CP ranks as threads; the step's collectives simulated (k3train.planning.sim_collectives)
+        from k3train.parallelize import seq_builder
+        from k3train.planning.sim_collectives import run_ranks, simulated_collectives
+
+        sim, C = simulated_collectives, cfg.parallel.cp
+        row = cp_row if cp_row is not None else [trace_batch(cfg, B, T, r)[0] for r in range(C)]
+        with sim():
+            ctx_seq = run_ranks(C, lambda g: seq_builder(cfg, C, g)(row[g.rank]), "cp")[cp_rank]
+        seq = SeqInfo(ctx_seq.doc_ids, ctx_seq.positions, ctx_seq.cu_seqlens,
+                      _single_rank_cp(ctx_seq.cp, cp_rank, C))
     lb = LiveBytes()
     with fake:
         leaves: list[torch.Tensor] = []
         if not first:
-            blocks = [torch.empty(B, T, d, dtype=dtype).requires_grad_() for _ in range(1 + s // bs)]
-            partial = torch.empty(B, T, d, dtype=dtype).requires_grad_() if s % bs else None
+            blocks = [torch.empty(B, T, d, dtype=dtype).requires_grad_() for _ in range(n_in)]
+            partial = torch.empty(B, T, d, dtype=dtype).requires_grad_() if has_partial else None
             leaves = blocks + ([partial] if partial is not None else [])
-    with fake, KnownData(), lb:
+    with sim(), fake, KnownData(), lb:
+        # everything that exists before the step (weights, their .grad, buffers such as the router's counters,
+        # the batch, the sequence layout, the received inputs) is booked first, so that a view or an in-place op
+        # on it is not mistaken for a new storage (the real run books them at creation)
+        _track_existing(lb, model, batch, seq, leaves)
         base = lb.live
 
         def run() -> Any:
             state = (model.embed(batch.tokens) if first
-                     else AttnResState(blocks=list(leaves[:1 + s // bs]),
-                                       partial=leaves[-1] if s % bs else None))
+                     else AttnResState(blocks=list(leaves[:n_in]), partial=leaves[-1] if has_partial else None))
             state = model.forward_layers(state, s, e, seq)
             return model.loss_sums(state, batch, seq) if last else state
 
@@ -260,7 +312,7 @@ def trace_range(cfg: Config, model: nn.Module, s: int, e: int, first: bool, last
             mtp_w = cfg.model.mtp_loss_weight if cfg.model.num_nextn_predict_layers else 0.0
             roots, grads = [out["lm_loss_sum"] + mtp_w * out["mtp_loss_sum"]], [None]
         else:
-            roots = [t for t in out.blocks[1 + s // bs:]] + ([out.partial] if out.partial is not None else [])
+            roots = [t for t in out.blocks[n_in:]] + ([out.partial] if out.partial is not None else [])
             roots = [t for t in roots if t.requires_grad]
             grads = [torch.empty_like(t) for t in roots]  # the received gradient payload
         lb.set_phase("backward")
@@ -283,12 +335,16 @@ TRACE_BUDGET = 8192 * 16  # tokens x layers traced whole (tiny and small: whole 
 COMPOSE_TOKENS = (1024, 2048, 4096)
 
 
-def _quadratic_at(ts: tuple[int, ...], ys: list[int], t: int, quad_scale: float) -> int:
+def _quadratic_fit(ts: tuple[int, ...], ys: list[int]) -> tuple[float, float, float]:
+    """``(a, b, c)`` of the quadratic through three points (exact: memory is at most quadratic in T)."""
     (t1, t2, t3), (y1, y2, y3) = ts, ys
     c = ((y3 - y2) / (t3 - t2) - (y2 - y1) / (t2 - t1)) / (t3 - t1)
     b = (y2 - y1) / (t2 - t1) - c * (t1 + t2)
-    a = y1 - b * t1 - c * t1 * t1
-    return max(0, int(round(a + b * t + c * quad_scale * t * t)))
+    return y1 - b * t1 - c * t1 * t1, b, c
+
+
+def _poly(abc: tuple[float, float, float], t: int) -> float:
+    return abc[0] + abc[1] * t + abc[2] * t * t
 
 
 def _compose(pieces: list[tuple[int, int, int]]) -> tuple[int, int, int]:
@@ -308,9 +364,15 @@ def layer_signature(cfg: Config, i: int) -> tuple:
 
 
 def trace_chunk(cfg: Config, model: nn.Module, part: Any, plan: Any, v: int, chunk: int, batch: Any,
-                fake: FakeTensorMode, cache: dict | None = None, batch_hi: Any = None) -> ChunkTrace:
-    """Virtual stage ``v`` on one micro-batch (see :func:`trace_range`; composed per layer above
-    ``TRACE_BUDGET``, ``cache`` holding the per-signature traces)."""
+                fake: FakeTensorMode, cache: dict | None = None, batch_hi: Any = None,
+                cp_rank: int = 0, rows: tuple[Any, Any] = (None, None)) -> ChunkTrace:
+    """Virtual stage ``v`` on one micro-batch of CP rank ``cp_rank`` (see :func:`trace_range`; composed per layer
+    above ``TRACE_BUDGET``, ``cache`` holding the per-signature fits).
+
+    Under CP the real KCP context runs with simulated collectives. Composed traces are taken at CP ranks 0 and 1
+    and extended to rank r affinely (rank r's MLA attends over its causal prefix of (r+1) segments: every
+    key-side byte -- the latent prefix, expanded keys and values, the [T, (r+1)T] scores -- grows linearly with
+    r; the KCP pairs are the whole group's on every rank)."""
     s, e = part.bounds[v]
     first, last = v == 0, v == part.num_stages - 1
     d = cfg.model.hidden_size
@@ -318,10 +380,11 @@ def trace_chunk(cfg: Config, model: nn.Module, part: Any, plan: Any, v: int, chu
     B, T = batch.tokens.shape
     recompute = cfg.parallel.recompute
     hi = None
+    C = cfg.parallel.cp
     if B * T * cfg.model.num_hidden_layers <= TRACE_BUDGET:
-        saved, f_peak, b_peak = trace_range(cfg, model, s, e, first, last, batch, fake, recompute)
+        saved, f_peak, b_peak = trace_range(cfg, model, s, e, first, last, batch, fake, recompute, cp_rank, rows[0])
         if batch_hi is not None:
-            hi = trace_range(cfg, model, s, e, first, last, batch_hi, fake, recompute)
+            hi = trace_range(cfg, model, s, e, first, last, batch_hi, fake, recompute, cp_rank, rows[1])
     else:
         cache = {} if cache is None else cache
         L = cfg.model.num_hidden_layers
@@ -330,14 +393,19 @@ def trace_chunk(cfg: Config, model: nn.Module, part: Any, plan: Any, v: int, chu
             reps[layer_signature(cfg, i)] = i
 
         def piece(key: tuple, a: int, b: int, fst: bool, lst: bool) -> tuple[int, int, int]:
-            if key not in cache:
-                ys = []
-                for t in COMPOSE_TOKENS:
-                    small, _ = trace_batch(cfg, B, t // B)
-                    ys.append(trace_range(cfg, model, a, b, fst, lst, small, fake, False))
-                cache[key] = [_quadratic_at(COMPOSE_TOKENS, [y[k] for y in ys], B * T, cfg.parallel.cp)
-                              for k in range(3)]
-            return tuple(cache[key])
+            ck = key + (B, C, id(model))  # the fits depend on the micro-batch rows, the CP size and the model
+            if ck not in cache:
+                fits = []
+                for r in ((0, 1) if C > 1 else (0,)):
+                    ys = [trace_range(cfg, model, a, b, fst, lst, trace_batch(cfg, B, t // B, r)[0], fake, False,
+                                      r if C > 1 else None) for t in COMPOSE_TOKENS]  # synthetic CP rows
+                    fits.append([_quadratic_fit(COMPOSE_TOKENS, [y[k] for y in ys]) for k in range(3)])
+                cache[ck] = fits
+            fits = cache[ck]
+            vals = [_poly(f, B * T) for f in fits[0]]
+            if len(fits) > 1:
+                vals = [y0 + cp_rank * (_poly(f1, B * T) - y0) for y0, f1 in zip(vals, fits[1])]
+            return tuple(max(0, int(round(y))) for y in vals)
 
         pieces = []
         if first:
@@ -386,6 +454,7 @@ def optimizer_transient(cfg: Config, infos: list[Any], owned: set[int], fake: Fa
                 st = [torch.zeros_like(w) for _ in range(2)]
             step = torch.zeros(())  # real, as the optimizer keeps it (read on the host every step)
             with fake, KnownData(), lb:
+                _track_existing(lb, None, [w, step, *st], inf.param, inf.param.grad)
                 base = lb.live
                 g = inf.param.grad.float() if inf.param.grad is not None else torch.zeros_like(w)
                 if inf.kind == "muon":
@@ -401,7 +470,9 @@ def optimizer_transient(cfg: Config, infos: list[Any], owned: set[int], fake: Fa
 # analytic communication buffers
 # --------------------------------------------------------------------------------------------------------------
 def ep_buffers(cfg: Config, model: nn.Module, ep: int, B: int, T: int) -> tuple[int, int, int]:
-    """``(persistent token buffers, replica bytes per MoE layer and micro-batch, MoE layers held)``."""
+    """``(persistent buffers, bytes of one MoE layer's replicas, MoE layers held)``: the EP token send/receive
+    buffers and MoonEP's replica pool (``moonep.replica_pool``: NUM_BANKS banks of ``[E/ep, l, f] x 3`` shared by
+    every MoE layer, allocated at the first dispatch)."""
     from k3train.model.moe import LatentMoE
     from moonep.comm import token_buffer_rows
 
@@ -414,22 +485,11 @@ def ep_buffers(cfg: Config, model: nn.Module, ep: int, B: int, T: int) -> tuple[
     send, recv = token_buffer_rows(B * T, m.num_experts_per_token, ep, n, cfg.parallel.moonep)
     persistent = (send + recv) * m.routed_expert_hidden_size * es
     replica = 3 * n * m.routed_expert_hidden_size * m.moe_intermediate_size * es if cfg.parallel.moonep else 0
+    if replica:
+        from moonep.replica_pool import NUM_BANKS
+
+        persistent += NUM_BANKS * replica
     return persistent, replica, len(moes)
-
-
-def cp_buffers(cfg: Config, model: nn.Module, cp: int, B: int, T: int) -> tuple[int, int]:
-    """``(KCP pair bytes, MLA latent bytes)`` per micro-batch held for backward (whole local stage)."""
-    if cp == 1:
-        return 0, 0
-    m = cfg.model
-    held = [int(i) for i in model.layers.keys()]
-    n_kda = sum(1 for i in held if m.layer_kind(i) == "kda")
-    n_mla = len(held) - n_kda
-    dk, dv = m.kda_head_dim, m.kda_head_dim
-    pairs = n_kda * cp * B * m.kda_num_heads * dk * (dk + dv) * 4
-    es = 2 if cfg.train.dtype == "bfloat16" else 4
-    latent = n_mla * B * T * cp * (m.kv_lora_rank + m.qk_rope_head_dim) * es
-    return pairs, latent
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -490,8 +550,12 @@ def walk_schedule(program: list[Any], traces: dict[int, ChunkTrace], grad_full: 
 
 
 # --------------------------------------------------------------------------------------------------------------
-def estimate(cfg: Config, world_size: int) -> Estimate:
-    """Per-rank memory of one training step of ``cfg`` on ``world_size`` ranks (see the module docstring)."""
+def estimate(cfg: Config, world_size: int, cache: Any = None) -> Estimate:
+    """Per-rank memory of one training step of ``cfg`` on ``world_size`` ranks (see the module docstring).
+
+    ``cache`` (optional, e.g. ``k3train.planning.plan.EstimateCache``; one per model config): shares the fake
+    mode, the fake full model per ep (``cache.full_model(cfg, ep, fake)``), the composed per-layer fits
+    (``cache.pieces``) and the optimizer-transient traces (``cache.ns``) across calls -- the planner's speed-up."""
     from k3train.optim.param_groups import build_param_infos
     from k3train.parallelize import ParallelModel
     from k3train.optim.zero import assign_owners
@@ -521,16 +585,20 @@ def estimate(cfg: Config, world_size: int) -> Estimate:
         programs = [[Instr("compute", action=Action(k, 0, m)) for m in range(M) for k in "FB"]]
     es = 2 if cfg.train.dtype == "bfloat16" else 4
     all_groups = dims0._enumerate_groups()
-    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    fake = cache.fake if cache is not None else FakeTensorMode(allow_non_fake_inputs=True)
     ranks: list[RankMemory] = []
-    batch, batch_hi, batch_src = None, None, ""
+    cp_batches: dict[int, tuple[Any, Any]] = {}
+    batch_src = ""
     # document segments of every micro-batch of the costed steps, per (dp, cp) rank (rank (0, 0)'s for all when
     # there are more than 16 data ranks)
     rank_segs: dict[tuple[int, int], list[list[int | None]]] = {}
-    piece_cache: dict = {}
+    piece_cache: dict = cache.pieces if cache is not None else {}
     stages: list[dict[str, Any]] = []
-    full = build_full(cfg, E, 0, fake)
-    mark_expert_params(full)
+    if cache is not None:
+        full = cache.full_model(cfg, E, fake)
+    else:
+        full = build_full(cfg, E, 0, fake)
+        mark_expert_params(full)
     for pp_rank in range(P):
         model = build_stage(full, part, pp_rank)
         # ownership over the real group ranks (identical for every pipeline of this stage)
@@ -547,38 +615,42 @@ def estimate(cfg: Config, world_size: int) -> Estimate:
         groups, shared = chunk_param_groups(model, part, pp_rank, shares_embedding(model, part))
         if shared:
             groups[0 if pp_rank == 0 else len(groups) - 1] += shared
-        traces = {}
-        if batch is None:
-            coords = [(d, c) for d in range(D) for c in range(C)] if D * C <= 16 else [(0, 0)]
+        if not cp_batches:  # the traced micro-batches of each CP rank (lowest / highest KDA padding)
+            coords = ([(d, c) for d in range(D) for c in range(C)] if D * C <= 16
+                      else [(0, c) for c in range(C)] if C <= 16 else [])
             data = {dc: data_microbatches(cfg, *dc) for dc in coords}
-            if all(data.values()) and tuple(data[(0, 0)][0][0].tokens.shape) == (B, T):
+            if data and all(data.values()) and tuple(data[(0, 0)][0][0].tokens.shape) == (B, T):
                 nch = functools.partial(segments, chunk=cfg.model.kda_chunk_size)
-                flat = sorted((mb for st in data.values() for step in st for mb in step), key=nch)
-                batch, batch_hi = flat[0], (flat[-1] if nch(flat[-1]) > nch(flat[0]) else None)
+                for cr in range(C):  # (micro-batch, its row of CP segments) by padded chunks of rank cr
+                    flat = sorted(((st[i][j], [data[(d, c)][i][j] for c in range(C)])
+                                   for (d, c0), st in data.items() if c0 == cr
+                                   for i in range(len(st)) for j in range(len(st[i]))), key=lambda x: nch(x[0]))
+                    hi = flat[-1] if nch(flat[-1][0]) > nch(flat[0][0]) else (None, None)
+                    cp_batches[cr] = (flat[0][0], hi[0], flat[0][1], hi[1])
                 rank_segs = {dc: [[nch(mb) for mb in step] for step in st] for dc, st in data.items()}
-                batch_src = (f"the run's data (steps 2-3; {nch(flat[0])}-{nch(flat[-1])} padded KDA chunks "
-                             f"per micro-batch, interpolated)")
+                batch_src = ("the run's data (steps 2-3; the least and most padded micro-batch of each CP rank, "
+                             "others interpolated by their padded KDA chunks)")
             else:
-                batch, batch_src = trace_batch(cfg, B, T)
+                cp_batches = {cr: (trace_batch(cfg, B, T, cr)[0], None, None, None) for cr in range(C)}
+                batch_src = trace_batch(cfg, 1, 1)[1]
             if B * T * cfg.model.num_hidden_layers > TRACE_BUDGET:
                 batch_src = (f"per-layer traces at {'/'.join(str(t) for t in COMPOSE_TOKENS)} tokens, fitted "
                              f"and composed for {B * T} tokens (one document per row)")
-        for c in range(len(local_chunks)):
-            v = part.stage(pp_rank, c) if P > 1 else 0
-            traces[c] = trace_chunk(cfg, full, part, plan, v, c, batch, fake, piece_cache, batch_hi)
+        traces_cp: dict[int, dict[int, ChunkTrace]] = {}
+        for cr in range(C):
+            batch, batch_hi, row, row_hi = cp_batches[cr]
+            traces_cp[cr] = {c: trace_chunk(cfg, full, part, plan, part.stage(pp_rank, c) if P > 1 else 0, c,
+                                            batch, fake, piece_cache, batch_hi, cr, (row, row_hi))
+                             for c in range(len(local_chunks))}
+        traces = traces_cp[0]
         params = _nbytes(list(model.parameters())) + _nbytes(list(model.buffers()))
         ep_persist, replica, n_moe = ep_buffers(cfg, model, E, B, T)
-        kcp_pairs, mla_lat = cp_buffers(cfg, model, C, B, T)
         moe_per_chunk = {c: sum(1 for i in range(*local_chunks[c]) if _layer_is_moe(cfg, i))
                          for c in range(len(local_chunks))}
-        n_layers = max(1, sum(e - s for s, e in local_chunks))
-        per_mb_extra = {c: moe_per_chunk[c] * replica
-                        + (kcp_pairs + mla_lat) * (local_chunks[c][1] - local_chunks[c][0]) // n_layers
-                        for c in traces}
-        b_extra = {c: replica for c in traces}  # the reduce-back of one layer's replica gradients
-        if pc.recompute:  # replicas, pairs and latents are re-made by the recomputation: held during B only
-            b_extra = {c: per_mb_extra[c] + replica for c in traces}
-            per_mb_extra = {c: 0 for c in traces}
+        # MoonEP's replica weights live in the shared pool (persistent, in ``ep_persist``), nothing per layer and
+        # micro-batch; one layer's backward holds its replicas' gradients and at most two reduce-back rounds
+        per_mb_extra = {c: 0 for c in traces}
+        b_extra = {c: (3 * replica if moe_per_chunk[c] else 0) for c in traces}
         p2p_bufs = 0  # receive/send buffers are walked with the program (in activations)
         program = programs[pp_rank]
         msg_bytes = functools.partial(_msg_bytes, plan, B * T * cfg.model.hidden_size * es)
@@ -586,14 +658,17 @@ def estimate(cfg: Config, world_size: int) -> Estimate:
                            if plan is not None else 0) for c in traces}
         by_id = {id(inf.param): inf for inf in infos}
         owned_cache: dict[int, tuple] = {}
-        ns_cache: dict[tuple, int] = {}
+        view_cache: dict[tuple, set[int]] = {}
+        ns_cache: dict[tuple, int] = cache.ns if cache is not None else {}
         for d in range(D):
             for c in range(C):
                 rank = dims0.rank_of(pp_rank, d, c)
                 ep_rank = (d * C + c) % E
-                owned = {inf.index for inf in infos if pc.zero == 0 or inf.owner == rank}
-                step_segs = rank_segs.get((d, c), rank_segs.get((0, 0), [[None] * M]))
-                key = hash((frozenset(owned), str(step_segs)))
+                owned = (_owned_by(rank, infos, all_groups, cfg.optim.ns_steps, view_cache) if pc.zero >= 1
+                         else {inf.index for inf in infos})
+                step_segs = rank_segs.get((d, c), rank_segs.get((0, c), [[None] * M]))
+                traces = traces_cp[c]
+                key = hash((frozenset(owned), str(step_segs), c))
                 if key not in owned_cache:
                     grad_full = {ci: _nbytes(g) for ci, g in enumerate(groups)}
                     grad_owned = {ci: _nbytes([p for p in g if by_id[id(p)].index in owned])
@@ -621,8 +696,7 @@ def estimate(cfg: Config, world_size: int) -> Estimate:
                 ranks.append(RankMemory(rank=rank, pp_rank=pp_rank, dp_rank=d, cp_rank=c, ep_rank=ep_rank,
                                         params=params, grads=grads_at, optimizer=opt, activations=act_at,
                                         buffers=bufs, peak=peak, peak_at=where,
-                                        detail={"ep_token_buffers": ep_persist, "moonep_replicas_per_mb": replica,
-                                                "kcp_pairs_per_mb": kcp_pairs, "mla_cp_latent_per_mb": mla_lat,
+                                        detail={"ep_token_buffers": ep_persist, "moonep_replicas_per_layer": replica,
                                                 "p2p": p2p_bufs, "moe_layers": n_moe}))
         stages.append({"pp_rank": pp_rank, "chunks": [asdict(t) for t in traces.values()],
                        "layers": [list(x) for x in local_chunks]})
@@ -634,6 +708,23 @@ def estimate(cfg: Config, world_size: int) -> Estimate:
               f"recompute={pc.recompute} dtype={cfg.train.dtype} mbs={B} seq={cfg.train.seq_len} M={M}; "
               f"traced on {batch_src} micro-batch")
     return Estimate(layout=layout, ranks=ranks, stages=stages, seconds=time.perf_counter() - t0)
+
+
+def _owned_by(rank: int, infos: list[Any], all_groups: dict[str, list[list[int]]], ns_steps: int,
+              cache: dict[tuple, set[int]]) -> set[int]:
+    """Indices of the parameters ``rank`` owns under ZeRO: ``assign_owners`` as that rank runs it, over ITS groups
+    (an expert's edp group differs between ranks of one dp group). Ranks holding the same positions in their
+    groups own the same parameters (the assignment is by position and load): one run per distinct view."""
+    from k3train.optim.zero import assign_owners
+
+    mine = {kind: next(g for g in all_groups[kind] if rank in g) for kind in {inf.group for inf in infos}}
+    view = tuple(sorted((kind, len(g), g.index(rank)) for kind, g in mine.items()))
+    if view not in cache:
+        for inf in infos:
+            inf.group_ranks = mine[inf.group]
+        assign_owners(infos, ns_steps)
+        cache[view] = {inf.index for inf in infos if inf.owner == rank}
+    return cache[view]
 
 
 def _msg_bytes(plan: Any, tensor_bytes: int, msg: Any) -> int:
@@ -673,3 +764,31 @@ def format_table(est: Estimate, all_ranks: bool = False) -> str:
                          + f" {r.peak / div:9.3f} {meas} {err:>6}  {r.peak_at}")
     return "\n".join(lines)
 
+
+
+def compose_check(cfg: Config) -> list[dict[str, Any]]:
+    """The per-layer composition (what K3-length sequences use) against a whole-chunk trace, for a config short
+    enough to trace whole: per pipeline stage and CP rank, ``(saved, f_peak, b_peak)`` both ways, on synthetic
+    rows (one document per row). ``tools/memory.py --check-compose``."""
+    from parallel.pipeline.partition import build_partition
+
+    global TRACE_BUDGET
+    part = build_partition(cfg.model, cfg.parallel, cfg.train.seq_len)
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    full = build_full(cfg, cfg.parallel.ep, 0, fake)
+    C, B = cfg.parallel.cp, cfg.train.micro_batch_size
+    T = cfg.train.seq_len // C
+    row = [trace_batch(cfg, B, T, r)[0] for r in range(C)]
+    cache: dict = {}
+    out = []
+    for cr in range(C):
+        for v in range(part.num_stages):
+            whole = trace_chunk(cfg, full, part, None, v, 0, row[cr], fake, None, None, cr, (row, None))
+            budget, TRACE_BUDGET = TRACE_BUDGET, 0
+            try:
+                comp = trace_chunk(cfg, full, part, None, v, 0, row[cr], fake, cache, None, cr)
+            finally:
+                TRACE_BUDGET = budget
+            out.append({"stage": v, "cp_rank": cr, "whole": [whole.saved, whole.f_peak, whole.b_peak],
+                        "composed": [comp.saved, comp.f_peak, comp.b_peak]})
+    return out

@@ -12,6 +12,10 @@ boundary ``v-1 -> v`` transmits (``mode='cached'``):
 
 ``mode='full'`` (the reference) resends every block at every boundary.
 
+Under ``model.residual: standard`` the state is one running tensor carried as the "partial sum" with no blocks
+(:func:`k3train.model.attnres.canonical_layout`), so every boundary sends exactly that hidden state (and its
+gradient back) and the cache stays empty: both modes are the plain pipeline.
+
 Gradient path (exact; both modes give identical gradients):
 
 * Forward of stage ``v`` builds its input from *leaves*: received tensors (``requires_grad``) and detached
@@ -37,9 +41,26 @@ from dataclasses import dataclass, field
 
 import torch
 
+from k3train.model.attnres import canonical_layout
 from parallel.pipeline.partition import PipelinePartition
+from parallel.pipeline.placement import Placement
 
 MODES = ("cached", "full")
+
+
+def cut_weight(b: int, end: int, placement: Placement, block_size: int, residual: str = "attnres",
+               mode: str = "cached") -> int:
+    """What boundary ``b`` placed after layer ``end`` adds to the number of tensors crossing ALL boundaries (one
+    direction; gradients mirror it), so that a partitioner can minimise the traffic cut by cut.
+
+    A boundary's own payload (the partial sum if ``end`` is inside a block, plus blocks ``known(b+1) ..
+    blocks(end)-1``) depends on the cut ``pp`` stages earlier, but summed over all boundaries the cached
+    ``known`` terms telescope: the total is ``sum_b partial(e_b) + sum_{b >= n - pp} blocks(e_b)`` (every
+    block reaches every rank once), and ``full`` resends ``blocks(e_b)`` at every boundary. tests/parallel checks
+    the sum against :meth:`AttnResCommPlan.payload`."""
+    blocks, partial = canonical_layout(end, block_size, residual)
+    counted = mode == "full" or b >= placement.num_stages - placement.pp
+    return int(partial) + (blocks if counted else 0)
 
 
 @dataclass(frozen=True)
@@ -65,18 +86,19 @@ class AttnResCommPlan:
         self.part, self.mode, self.bs = partition, mode, partition.block_size
 
     def blocks_at(self, layer: int) -> int:
-        """Number of completed blocks (incl. the embedding) in the canonical state before ``layer``."""
-        return 1 + layer // self.bs
+        """Number of completed blocks (incl. the embedding) in the canonical state before ``layer`` (0 under the
+        standard residual, whose one running tensor travels as the partial sum)."""
+        return canonical_layout(layer, self.bs, self.part.residual)[0]
 
     def partial_at(self, layer: int) -> bool:
-        return layer % self.bs != 0
+        return canonical_layout(layer, self.bs, self.part.residual)[1]
 
     def known_blocks(self, v: int) -> int:
         """Blocks the rank of stage ``v`` already holds for the micro-batch when ``v`` starts."""
-        pp = self.part.pp
-        if self.mode == "full" or v < pp:
+        prev = self.part.placement.prev_local(v)  # the same rank's previous chunk for this micro-batch
+        if self.mode == "full" or prev is None:
             return 0
-        return self.blocks_at(self.part.bounds[v - pp][1])
+        return self.blocks_at(self.part.bounds[prev][1])
 
     def payload(self, b: int) -> Payload:
         """Tensors sent from stage ``b`` to ``b + 1`` (activations) and their gradients back."""
@@ -152,7 +174,7 @@ class BlockCache:
 
     def after_forward(self, chunk: int, mb: int, out_blocks: list[torch.Tensor]) -> None:
         """Remember the output blocks for this rank's next chunk of ``mb``; free them after the last chunk."""
-        if self.plan.mode == "full" or chunk == self.plan.part.vpp - 1:
+        if self.plan.mode == "full" or self.plan.part.placement.next_local(self._stage(chunk)) is None:
             self.fwd.pop(mb, None)
         else:
             self.fwd[mb] = list(out_blocks)
@@ -190,7 +212,9 @@ class BlockCache:
         """After the backward of local chunk ``chunk``: store the cached leaves' gradients for the previous local
         chunk and return the received leaves' gradients (wire order) to send back."""
         if inp.cached:
-            self.grads[(chunk - 1, mb)] = [t.grad for t in inp.cached]
+            pl = self.plan.part.placement
+            prev_chunk = pl.chunk_of(pl.prev_local(self._stage(chunk)))
+            self.grads[(prev_chunk, mb)] = [t.grad for t in inp.cached]
         return [t.grad if t.grad is not None else torch.zeros_like(t) for t in inp.received]
 
     def check_empty(self) -> None:

@@ -1,98 +1,29 @@
-"""Point-to-point transport of the pipeline: a per-rank *program* and its executor's send/recv primitives.
+"""Point-to-point transport of the pipeline: the executor's send/recv primitives (the per-rank *programs* that
+order them, and their checks, are in p2p_programs.py, re-exported here).
 
 Why not ``batch_isend_irecv``: with gloo, batched p2p between a pair of ranks that are both the previous and the
 next neighbour (pp = 2) can match the wrong messages (megatron-core's batched p2p gives silently wrong gradients
 at pp=2 on gloo). Here every tensor is its own ``isend``/``irecv`` with a tag unique to (message, tensor index)
 within the step, so gloo can never confuse two messages, whatever the order they are posted in.
 
-Ordering (also what NCCL needs, which ignores tags): :func:`build_programs` simulates the whole pipeline once
-(:func:`schedules.simulate`) and orders every rank's work by simulated time. Each message gets the time its
-sender finishes; BOTH ends post their side of it at that position, with ties broken by the message key. So the
-sequence of p2p operations between any two ranks is identical on both ends, receives are posted before the
-action that consumes them, and sends right after the action that produced them. Sends are asynchronous; the
-only blocking point is ``wait`` on a receive, which the simulation proved will be satisfied (no deadlock).
-
+Receives are posted ahead (one compute before their consumer): the transport keeps each posted buffer alive until
+``wait`` hands it out, and each sent tensor until its send completed (gloo reads both asynchronously).
 Shapes are static (from the config and the micro-batch shape), so receivers pre-allocate their buffers.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from parallel.comm_stats import ByteCounter
-from parallel.pipeline.schedules import Action, Message, SimResult, message_route, produces, deps_of, simulate
+from parallel.pipeline.placement import Placement
+from parallel.pipeline.p2p_programs import Instr, build_programs, check_programs, recv_lead, run_programs
+from parallel.pipeline.schedules import Message, message_route
 
-
-@dataclass(frozen=True)
-class Instr:
-    """One step of a rank's program: ``op`` = 'compute' (``action``), 'send' or 'recv' (``msg``)."""
-
-    op: str
-    action: Action | None = None
-    msg: Message | None = None
-
-    def __repr__(self) -> str:
-        return f"{self.op}({self.action if self.action is not None else self.msg})"
-
-
-def _msg_key(m: Message) -> tuple[int, int, int]:
-    return (0 if m.kind == "act" else 1, m.stage, m.mb)
-
-
-def build_programs(sched: list[list[Action]], pp: int, vpp: int,
-                   sim: SimResult | None = None) -> list[list[Instr]]:
-    """Per pipeline rank, the ordered instructions (compute / send / recv) of one step (see module docstring)."""
-    sim = sim or simulate(sched, pp, vpp)
-    programs: list[list[Instr]] = []
-    for r in range(pp):
-        items: list[tuple[tuple, Instr]] = []
-        for i, a in enumerate(sched[r]):
-            # a compute sorts after every p2p post that becomes ready at or before its start
-            items.append(((sim.start[r][i], 1, i), Instr("compute", action=a)))
-            for msg in produces(a, r, pp, vpp):
-                items.append(((sim.ready[msg], 0) + _msg_key(msg), Instr("send", msg=msg)))
-        for msg, t in sim.ready.items():
-            if message_route(msg, pp)[1] == r:
-                items.append(((t, 0) + _msg_key(msg), Instr("recv", msg=msg)))
-        items.sort(key=lambda x: x[0])
-        programs.append([ins for _, ins in items])
-    return programs
-
-
-def check_programs(programs: list[list[Instr]], pp: int, vpp: int) -> None:
-    """Static checks (no processes): for every ordered rank pair the send sequence equals the receive sequence,
-    every receive is posted before the compute that needs it, and every send after the compute producing it."""
-    for r, prog in enumerate(programs):
-        posted: set[Message] = set()
-        done: set[Message] = set()  # messages whose producing compute ran on this rank
-        for ins in prog:
-            if ins.op == "recv":
-                posted.add(ins.msg)
-            elif ins.op == "send":
-                if ins.msg not in done:
-                    raise AssertionError(f"rank {r}: send {ins.msg} before the compute producing it")
-            else:
-                for d in deps_of(ins.action, r, pp, vpp):
-                    if d not in posted:
-                        raise AssertionError(f"rank {r}: {ins.action} runs before receiving {d}")
-                done.update(produces(ins.action, r, pp, vpp))
-    for src in range(pp):
-        for dst in range(pp):
-            sends = [i.msg for i in programs[src] if i.op == "send" and message_route(i.msg, pp)[1] == dst]
-            recvs = [i.msg for i in programs[dst] if i.op == "recv" and message_route(i.msg, pp)[0] == src]
-            if sends != recvs:
-                raise AssertionError(f"p2p order mismatch {src}->{dst}: sends {sends[:6]}... recvs {recvs[:6]}...")
-    # the pair's combined op sequence (both directions) must agree too (single-stream transports such as NCCL)
-    for a in range(pp):
-        for b in range(a + 1, pp):
-            def pair_seq(r: int, peer: int) -> list[Message]:
-                return [i.msg for i in programs[r] if i.op in ("send", "recv")
-                        and peer in message_route(i.msg, pp) and r in message_route(i.msg, pp)]
-            if pair_seq(a, b) != pair_seq(b, a):
-                raise AssertionError(f"p2p op order on pair ({a}, {b}) differs between the two ends")
+__all__ = ["Instr", "P2PTransport", "build_programs", "check_programs", "recv_lead", "run_programs"]
 
 
 class P2PTransport:
@@ -103,12 +34,14 @@ class P2PTransport:
     """
 
     def __init__(self, peers: list[int], pp: int, num_boundaries: int, max_items: int, counter: ByteCounter,
-                 group: Any = None) -> None:
+                 group: Any = None, placement: Placement | None = None) -> None:
         self.peers, self.pp, self.nb, self.max_items = peers, pp, max(1, num_boundaries), max_items
+        self.placement = placement or Placement.of(pp, max(1, (num_boundaries + 1) // pp))
         self.counter, self.group = counter, group
         self._sends: list[tuple[int, Any, torch.Tensor]] = []  # (generation, work, buffer)
         self.generation = 0  # bumped by the runner before every compute
         self._recvs: dict[Message, tuple[list[torch.Tensor], list[Any]]] = {}
+        self.wait_s = 0.0  # seconds blocked in wait() this step (receives not yet arrived)
 
     def tag(self, msg: Message, i: int) -> int:
         if i >= self.max_items:
@@ -118,7 +51,7 @@ class P2PTransport:
 
     def send(self, msg: Message, tensors: list[torch.Tensor], kinds: list[str]) -> None:
         """Post ``isend`` of every tensor of ``msg`` (detached, contiguous) to its destination rank."""
-        dst = self.peers[message_route(msg, self.pp)[1]]
+        dst = self.peers[message_route(msg, self.placement)[1]]
         for i, (t, kind) in enumerate(zip(tensors, kinds)):
             t = t.detach().contiguous()
             work = dist.isend(t, dst, group=self.group, tag=self.tag(msg, i))
@@ -128,7 +61,7 @@ class P2PTransport:
     def post_recv(self, msg: Message, specs: list[tuple[tuple[int, ...], torch.dtype]], kinds: list[str],
                   device: torch.device) -> None:
         """Pre-allocate and post ``irecv`` for every tensor of ``msg``."""
-        src = self.peers[message_route(msg, self.pp)[0]]
+        src = self.peers[message_route(msg, self.placement)[0]]
         bufs, works = [], []
         for i, ((shape, dtype), kind) in enumerate(zip(specs, kinds)):
             buf = torch.empty(shape, dtype=dtype, device=device)
@@ -140,8 +73,10 @@ class P2PTransport:
     def wait(self, msg: Message) -> list[torch.Tensor]:
         """Block until every tensor of ``msg`` arrived; returns the buffers (wire order)."""
         bufs, works = self._recvs.pop(msg)
+        t0 = time.perf_counter()
         for w in works:
             w.wait()
+        self.wait_s += time.perf_counter() - t0
         return bufs
 
     def complete_sends(self, upto_generation: int) -> None:

@@ -77,7 +77,8 @@ class StepRunner:
         # copies of a parameter another stage also holds (the last stage's embedding copy): count them once in
         # a global gradient norm and save them once in checkpoints
         self.replica_params: list[nn.Parameter] = (list(self.shared_params)
-                                                   if self.shared_embedding and self.pp_rank == partition.pp - 1
+                                                   if self.shared_embedding
+                                                   and self.pp_rank == partition.placement.last_rank
                                                    else [])
         self.last_stats: dict[str, Any] = {}
         self.current: tuple[str, int, int] | None = None
@@ -104,7 +105,8 @@ class StepRunner:
             self.on_chunk_backward_done(params)
 
     def _new_stats(self) -> dict[str, Any]:
-        return {k: 0.0 for k in STAT_KEYS} | {"loss": 0.0, "compute_s": 0.0}
+        # recv_wait_s: seconds blocked waiting for p2p receives (PipelineRunner; 0 without a pipeline)
+        return {k: 0.0 for k in STAT_KEYS} | {"loss": 0.0, "compute_s": 0.0, "recv_wait_s": 0.0}
 
     @staticmethod
     def _add_sums(stats: dict[str, Any], sums: dict[str, torch.Tensor], loss: torch.Tensor) -> None:
@@ -174,17 +176,21 @@ class PipelineRunner(StepRunner):
     """pp > 1: runs this rank's program (schedule + p2p posts), see parallel/pipeline/p2p.py."""
 
     def __init__(self, *args: Any, schedule: str, attnres_comm: str, wire_dtype: torch.dtype,
-                 state_cls: type, **kw: Any) -> None:
+                 state_cls: type, post_ahead: bool = True, **kw: Any) -> None:
         super().__init__(*args, **kw)
         part, dims = self.partition, self.dims
         self.schedule, self.wire_dtype, self.state_cls = schedule, wire_dtype, state_cls
+        self.placement = part.placement
+        # receives posted one compute ahead of their consumer (p2p_programs.py); False: the time-ordered posts
+        self.post_ahead = post_ahead
         self.plan = AttnResCommPlan(part, attnres_comm)
         self.n_stages = part.num_stages
         self.hidden = self.cfg.model.hidden_size
         max_items = 2 + part.num_layers // part.block_size + 1
-        self.p2p = P2PTransport(dims.ranks("pp"), part.pp, self.n_stages - 1, max_items, self.counter)
+        self.p2p = P2PTransport(dims.ranks("pp"), part.pp, self.n_stages - 1, max_items, self.counter,
+                                placement=self.placement)
         self.embd_group = dims.group("embd") if self.shared_embedding else None
-        self._programs: dict[tuple[int, bool], tuple[list[Action], list[Instr], float]] = {}
+        self._programs: dict[tuple[int, bool, bool], tuple[list[Action], list[Instr], float]] = {}
         self.device = next(self.model.parameters()).device
         self._forward_only = False  # set per step by begin_step
 
@@ -193,19 +199,24 @@ class PipelineRunner(StepRunner):
         """``(actions, program, simulated bubble)`` of this rank for ``num_microbatches`` (cached).
         ``forward_only``: the schedule's forward actions in their order (evaluation), see
         :func:`schedules.forward_only_schedule`."""
-        key = (num_microbatches, forward_only)
+        key = (num_microbatches, forward_only, self.post_ahead)
         if key not in self._programs:
             pp, vpp = self.partition.pp, self.partition.vpp
             sched = build_schedule(self.schedule, pp, vpp, num_microbatches)
             if forward_only:
                 sched = forward_only_schedule(sched)
             sim = simulate(sched, pp, vpp)
-            programs = build_programs(sched, pp, vpp, sim)
+            programs = build_programs(sched, pp, vpp, sim, post_ahead=self.post_ahead)
             self._programs[key] = (sched[self.pp_rank], programs[self.pp_rank], sim.bubble)
             if self.dims.rank == 0 and not forward_only:
-                log.info("pipeline schedule %s: pp=%d vpp=%d M=%d; expected bubble (pp-1)/(vpp*M+pp-1) = %.3f "
-                         "(simulated with equal stages, backward = 2 x forward: %.3f)", self.schedule, pp, vpp,
-                         num_microbatches, theoretical_bubble(pp, vpp, num_microbatches), sim.bubble)
+                # the log's bubble from the partition table's stage costs (the program above is unchanged)
+                costs = self.partition.stage_costs or [1.0] * (pp * vpp)
+                unit = sum(costs) / len(costs) or 1.0
+                real = simulate(sched, pp, vpp, [c / unit for c in costs], [2 * c / unit for c in costs]).bubble
+                log.info("pipeline schedule %s: pp=%d vpp=%d M=%d; expected bubble %.3f (simulated with the "
+                         "partition's stage costs, backward = 2 x forward; equal stages would give %.3f = "
+                         "(pp-1)/(vpp*M+pp-1))", self.schedule, pp, vpp, num_microbatches, real,
+                         theoretical_bubble(pp, vpp, num_microbatches))
         return self._programs[key]
 
     def _specs(self, msg: Message, batches: list[Any]) -> tuple[list[tuple[tuple[int, ...], torch.dtype]], list[str]]:
@@ -244,6 +255,7 @@ class PipelineRunner(StepRunner):
         self._forward_only = forward_only
         actions, program, _ = self.program(len(micro_batches), forward_only)
         self.counter.reset()
+        self.p2p.wait_s = 0.0
         self.refresh_params()
         self._batches, self._norm = micro_batches, norm
         self._seqs = [self.make_seq(b) for b in micro_batches]
@@ -270,7 +282,7 @@ class PipelineRunner(StepRunner):
             self.p2p.complete_sends(self.p2p.generation - 1)
             self.p2p.generation += 1
             t0 = time.perf_counter()
-            self.current = (a.kind, a.chunk * self.partition.pp + self.pp_rank, a.mb)
+            self.current = (a.kind, self.placement.stage(self.pp_rank, a.chunk), a.mb)
             if a.kind == "F":
                 self._forward(a)
             else:
@@ -294,6 +306,7 @@ class PipelineRunner(StepRunner):
         stats = self._stats
         self._finish_sums(stats)
         stats.update(self.counter.as_stats())
+        stats["recv_wait_s"] = self.p2p.wait_s
         stats["step_s"] = time.perf_counter() - self._t_step
         self.last_stats = stats
         self._batches, self._seqs, self._norm = [], [], None
@@ -303,10 +316,9 @@ class PipelineRunner(StepRunner):
     def _forward(self, a: Action) -> None:
         cache, saved, outbox, stats = self._cache, self._saved, self._outbox, self._stats
         batches, seqs, norm = self._batches, self._seqs, self._norm
-        pp = self.partition.pp
-        v = a.chunk * pp + self.pp_rank
+        v = self.placement.stage(self.pp_rank, a.chunk)
         s, e = self.partition.bounds[v]
-        first, last = v == 0, v == self.n_stages - 1
+        first, last = self.placement.is_first(v), self.placement.is_last(v)
         batch, seq = batches[a.mb], seqs[a.mb]
         inp = None if first else cache.build_input(a.chunk, a.mb, self.p2p.wait(Message("act", v - 1, a.mb)))
         model = self.model
@@ -332,9 +344,9 @@ class PipelineRunner(StepRunner):
 
     def _backward(self, a: Action) -> None:
         cache, saved, outbox = self._cache, self._saved, self._outbox
-        v = a.chunk * self.partition.pp + self.pp_rank
+        v = self.placement.stage(self.pp_rank, a.chunk)
         inp, out = saved.pop((a.chunk, a.mb))
-        if v == self.n_stages - 1:
+        if self.placement.is_last(v):
             roots, grads = [out], [None]
         else:
             received = self.p2p.wait(Message("grad", v, a.mb))
@@ -362,7 +374,7 @@ def build_step_runner(model: nn.Module | Callable[[], nn.Module] | None, cfg: An
                       on_chunk_backward_done: Callable[[list[nn.Parameter]], None] | None = None,
                       seed: int | None = None, device: torch.device | str | None = None,
                       wire_dtype: torch.dtype | None = None, state_cls: type | None = None,
-                      num_microbatches: int | None = None) -> StepRunner:
+                      num_microbatches: int | None = None, post_ahead: bool = True) -> StepRunner:
     """Build this rank's model stage and its step runner.
 
     Args:
@@ -375,6 +387,8 @@ def build_step_runner(model: nn.Module | Callable[[], nn.Module] | None, cfg: An
         seed: init seed (default ``cfg.train.seed``); device: default CPU (or the instance's device).
         wire_dtype: dtype of p2p payloads (default fp32 for ``train.dtype=float32``, else bf16).
         num_microbatches: if given, validated against the schedule now (clear error at start-up).
+        post_ahead: post every p2p receive one compute ahead of its consumer (default; False: the time-ordered
+            posts, kept for benchmarks, see tools/bench_pipeline.py).
     """
     pcfg = cfg.parallel
     part = build_partition(cfg.model, pcfg, cfg.train.seq_len)
@@ -400,4 +414,5 @@ def build_step_runner(model: nn.Module | Callable[[], nn.Module] | None, cfg: An
     if wire_dtype is None:
         wire_dtype = torch.float32 if cfg.train.dtype == "float32" else torch.bfloat16
     return PipelineRunner(stage_model, cfg, dims, part, schedule=schedule, attnres_comm=pcfg.attnres_comm,
-                          wire_dtype=wire_dtype, state_cls=state_cls or _default_state_cls(), **common)
+                          wire_dtype=wire_dtype, state_cls=state_cls or _default_state_cls(),
+                          post_ahead=post_ahead, **common)

@@ -1,11 +1,12 @@
 """Pipeline schedules as pure data: per pipeline rank, the ordered list of forward/backward actions.
 
-An action ``Action('F'|'B', chunk, mb)`` runs local chunk ``chunk`` (virtual stage ``chunk * pp + rank``) on
-micro-batch ``mb``. Dependencies (the only ones; p2p messages are implied by them):
+An action ``Action('F'|'B', chunk, mb)`` runs local chunk ``chunk`` of its rank (virtual stage
+``Placement.stage(rank, chunk)``, see placement.py) on micro-batch ``mb``. Dependencies (the only ones; p2p
+messages are implied by them):
 
-* ``F(v, m)`` needs the activations of ``F(v-1, m)`` (a message from rank ``(v-1) % pp``) when ``v > 0``;
-* ``B(v, m)`` needs ``F(v, m)`` on the same rank, and the gradients of ``B(v+1, m)`` (a message from rank
-  ``(v+1) % pp``) unless ``v`` is the last virtual stage.
+* ``F(v, m)`` needs the activations of ``F(v-1, m)`` (a message from the rank of stage ``v-1``) when ``v > 0``;
+* ``B(v, m)`` needs ``F(v, m)`` on the same rank, and the gradients of ``B(v+1, m)`` (a message from the rank of
+  stage ``v+1``) unless ``v`` is the last virtual stage.
 
 Schedules (``M`` micro-batches, ``pp`` ranks, ``vpp`` chunks per rank):
 
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from k3train.config import ConfigError
+from parallel.pipeline.placement import Placement
 
 SCHEDULES = ("afab", "1f1b", "interleaved")
 
@@ -90,6 +92,8 @@ def _interleaved(pp: int, vpp: int, rank: int, M: int) -> list[Action]:
     group = pp * vpp
 
     def virtual(k: int, forward: bool) -> Action:
+        # the k-th virtual micro-batch of this rank: groups of pp micro-batches per chunk (schedule order, not
+        # placement: Action names the local chunk, the Placement maps it to a virtual stage)
         c = (k % group) // pp
         m = (k // group) * pp + k % pp
         return Action("F", c, m) if forward else Action("B", vpp - 1 - c, m)
@@ -140,24 +144,29 @@ def theoretical_bubble(pp: int, vpp: int, num_microbatches: int) -> float:
 # --------------------------------------------------------------------------------------------------------------
 def deps_of(a: Action, rank: int, pp: int, vpp: int) -> list[Message]:
     """Messages action ``a`` on ``rank`` must receive before it can run."""
-    v, n = a.chunk * pp + rank, pp * vpp
+    pl = Placement.of(pp, vpp)
+    v = pl.stage(rank, a.chunk)
     if a.kind == "F":
-        return [Message("act", v - 1, a.mb)] if v > 0 else []
-    return [Message("grad", v, a.mb)] if v < n - 1 else []
+        return [] if pl.is_first(v) else [Message("act", v - 1, a.mb)]
+    return [] if pl.is_last(v) else [Message("grad", v, a.mb)]
 
 
 def produces(a: Action, rank: int, pp: int, vpp: int) -> list[Message]:
     """Messages action ``a`` on ``rank`` sends when it finishes."""
-    v, n = a.chunk * pp + rank, pp * vpp
+    pl = Placement.of(pp, vpp)
+    v = pl.stage(rank, a.chunk)
     if a.kind == "F":
-        return [Message("act", v, a.mb)] if v < n - 1 else []
-    return [Message("grad", v - 1, a.mb)] if v > 0 else []
+        return [] if pl.is_last(v) else [Message("act", v, a.mb)]
+    return [] if pl.is_first(v) else [Message("grad", v - 1, a.mb)]
 
 
-def message_route(msg: Message, pp: int) -> tuple[int, int]:
-    """``(src_rank, dst_rank)`` of a message (pipeline ranks)."""
-    b = msg.stage
-    return ((b % pp, (b + 1) % pp) if msg.kind == "act" else ((b + 1) % pp, b % pp))
+def message_route(msg: Message, placement: Placement | int) -> tuple[int, int]:
+    """``(src_rank, dst_rank)`` of a message (pipeline ranks). ``placement``: the pipeline's
+    :class:`Placement` (or, for older callers, its ``pp``: a placement with enough chunks for the boundary)."""
+    pl = (placement if isinstance(placement, Placement)
+          else Placement.of(placement, msg.stage // placement + 2))
+    lo, hi = pl.boundary_ranks(msg.stage)
+    return (lo, hi) if msg.kind == "act" else (hi, lo)
 
 
 @dataclass
@@ -198,7 +207,8 @@ def simulate(sched: list[list[Action]], pp: int, vpp: int, f_cost: Iterable[floa
     """Run the schedule as soon as dependencies allow (each rank executes its list in order, one action at a
     time). ``f_cost``/``b_cost``: a number or one per virtual stage. Raises RuntimeError on deadlock, naming
     what every blocked rank waits for."""
-    n = pp * vpp
+    placement = Placement.of(pp, vpp)
+    n = placement.num_stages
     fc = [float(f_cost)] * n if isinstance(f_cost, (int, float)) else [float(x) for x in f_cost]
     bc = [float(b_cost)] * n if isinstance(b_cost, (int, float)) else [float(x) for x in b_cost]
     M = sum(1 for a in sched[0] if a.kind == "F") // vpp
@@ -216,7 +226,7 @@ def simulate(sched: list[list[Action]], pp: int, vpp: int, f_cost: Iterable[floa
                 deps = deps_of(a, r, pp, vpp)
                 if any(d not in ready for d in deps):
                     break
-                v = a.chunk * pp + r
+                v = placement.stage(r, a.chunk)
                 t0 = max([clock[r], *(ready[d] for d in deps)])
                 t1 = t0 + (fc[v] if a.kind == "F" else bc[v])
                 start[r][pos[r]], end[r][pos[r]] = t0, t1

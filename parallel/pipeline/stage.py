@@ -35,7 +35,7 @@ def prune_to_stage(model: nn.Module, part: PipelinePartition, pp_rank: int) -> n
     The last stage keeps ``embed_tokens`` when the model has an MTP layer (which embeds token t+1)."""
     if part.pp == 1:
         return model
-    first, last = pp_rank == 0, pp_rank == part.pp - 1
+    first, last = pp_rank == part.placement.first_rank, pp_rank == part.placement.last_rank
     keep = owned_layers(part, pp_rank)
     layers = model.layers
     if isinstance(layers, nn.ModuleDict):
@@ -94,7 +94,9 @@ def chunk_param_groups(model: nn.Module, part: PipelinePartition, pp_rank: int,
     for c, (s, e) in enumerate(part.local_chunks(pp_rank)):
         for i in range(s, e):
             chunk_of_layer[i] = c
-    last_chunk = part.vpp - 1 if pp_rank == part.pp - 1 else 0
+    pl = part.placement
+    first_chunk = pl.chunk_of(0) if pp_rank == pl.first_rank else 0
+    last_chunk = pl.last_chunk() if pp_rank == pl.last_rank else 0
     groups: list[list[nn.Parameter]] = [[] for _ in range(part.vpp)]
     shared: list[nn.Parameter] = []
     for fqn, p in model.named_parameters():
@@ -105,11 +107,11 @@ def chunk_param_groups(model: nn.Module, part: PipelinePartition, pp_rank: int,
             if separate_embedding:
                 shared.append(p)
             else:
-                groups[0 if pp_rank == 0 else last_chunk].append(p)
+                groups[first_chunk if pp_rank == pl.first_rank else last_chunk].append(p)
         elif head in HEAD_PARTS:
             groups[last_chunk].append(p)
         else:
-            groups[0].append(p)
+            groups[first_chunk].append(p)
     return groups, shared
 
 

@@ -41,18 +41,20 @@ class Layout:
     cp: int = 1
     ep: int = 1
     moonep: bool = True
+    residual: str = "attnres"  # model.residual (the reference is built with the same)
 
     def overrides(self) -> list[str]:
-        return [f"--parallel.pp={self.pp}", f"--parallel.vpp={self.vpp}", f"--parallel.cp={self.cp}",
+        return [f"--model.residual={self.residual}",
+                f"--parallel.pp={self.pp}", f"--parallel.vpp={self.vpp}", f"--parallel.cp={self.cp}",
                 f"--parallel.ep={self.ep}", f"--parallel.moonep={str(self.moonep).lower()}",
                 f"--train.seq_len={SEQ_LEN}", f"--train.global_batch_size={GBS}",
                 f"--train.micro_batch_size={MBS}", "--train.device=cpu", "--train.dtype=float32"]
 
 
-def make_cfg(layout: Layout | None = None) -> Config:
+def make_cfg(layout: Layout | None = None, residual: str = "attnres") -> Config:
     """configs/tiny.yaml (8 layers: KDA x3, MLA, KDA x3, MLA; dense first layer, 7 LatentMoE; MTP) for ``layout``
-    (``None``: the single-process reference)."""
-    over = layout.overrides() if layout is not None else Layout("ref").overrides()
+    (``None``: the single-process reference with ``model.residual = residual``)."""
+    over = layout.overrides() if layout is not None else Layout("ref", residual=residual).overrides()
     return load_config(ROOT / "configs" / "tiny.yaml", over, world_size=WORLD if layout is not None else 1)
 
 

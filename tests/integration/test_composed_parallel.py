@@ -42,6 +42,8 @@ LAYOUTS = [
     Layout("pp2_dp2_ep2_static", pp=2, vpp=1, ep=2, moonep=False),
     # dp = 2 x cp = 2 x ep = 2: each EP group is one CP pair, the EDP group joins the two data-parallel replicas
     Layout("dp2_cp2_ep2_moonep", cp=2, ep=2, moonep=True),
+    # the standard PreNorm residual (model.residual ablation) through PP x KCP x MoonEP at once
+    Layout("standard_pp2_vpp2_cp2_ep2_moonep", pp=2, vpp=2, cp=2, ep=2, moonep=True, residual="standard"),
 ]
 
 
@@ -158,11 +160,11 @@ def _check_layout(rank: int, layout: Layout, full, ref: Reference) -> None:
     assert {n for d in every for n in d} == set(ref.bias), "every router is held by some rank"
 
 
-def _body(rank: int, world: int, layouts: list[Layout], full, ref: Reference) -> None:
+def _body(rank: int, world: int, layouts: list[Layout], full, refs: dict[str, Reference]) -> None:
     torch.set_num_threads(1)
     for layout in layouts:
         try:
-            _check_layout(rank, layout, full, ref)
+            _check_layout(rank, layout, full, refs[layout.residual])
         except Exception as e:
             raise AssertionError(f"layout {layout.name}: {e}") from e
 
@@ -172,10 +174,11 @@ def data_and_ref():
     full = kjv_global_batch()
     assert crosses_cp_boundary(full, 2), "the batch must have documents crossing the CP boundary"
     assert int(full.doc_ids.max()) >= 1 and bool((full.tokens == 1).any()), "several documents per row"
-    return full, reference(make_cfg(), full)
+    return full, {res: reference(make_cfg(residual=res), full) for res in {lay.residual for lay in LAYOUTS}}
 
 
 def test_composed_layouts_match_single_process(data_and_ref) -> None:
-    """pp2 x vpp2 x cp2; pp2 x dp2 x ep2 (MoonEP, vpp2) and (static EP, vpp1); dp2 x cp2 x ep2 (MoonEP)."""
-    full, ref = data_and_ref
-    run_distributed(_body, WORLD, LAYOUTS, full, ref)
+    """pp2 x vpp2 x cp2; pp2 x dp2 x ep2 (MoonEP, vpp2) and (static EP, vpp1); dp2 x cp2 x ep2 (MoonEP); and
+    pp2 x vpp2 x cp2 x ep2 (MoonEP) with the standard residual."""
+    full, refs = data_and_ref
+    run_distributed(_body, WORLD, LAYOUTS, full, refs)

@@ -97,6 +97,12 @@ def check_kda(dims: ParallelDims, rows: list[list[int]], dtype: torch.dtype, see
     return ctx
 
 
+def seen_by(earlier_doc: torch.Tensor, first_doc: torch.Tensor) -> torch.Tensor:
+    """Doc ids ``[B, n]`` of tokens before a segment as KCP reports them to it: exact where they belong to the
+    segment's first document ``first_doc [B]``, -1 elsewhere (see kcp/edges.py)."""
+    return torch.where(earlier_doc == first_doc[:, None], earlier_doc, torch.full_like(earlier_doc, -1))
+
+
 def _masked_attention(q, keys, q_doc, q_pos, k_doc, k_pos):
     """Tiny attention over latents with the contract's mask (``key_pos <= query_pos and same document``)."""
     s = q @ keys.transpose(1, 2) / keys.shape[-1] ** 0.5
@@ -126,7 +132,8 @@ def check_halo(dims: ParallelDims, doc_ids: torch.Tensor, ctx: KCPContext, K: in
     want = torch.cat([torch.zeros(B, max(0, -start), C), x[:, max(0, start): r * T]], dim=1)
     want_doc = torch.cat([torch.full((B, max(0, -start)), -1), doc_ids[:, max(0, start): r * T]], dim=1)
     torch.testing.assert_close(prev, want, atol=0, rtol=0)
-    assert torch.equal(prev_doc, want_doc)
+    # doc ids are exact on the document the segment opens with (the only one that reaches back), -1 elsewhere
+    assert torch.equal(prev_doc, seen_by(want_doc, doc_ids[:, r * T]))
     y = causal_depthwise_conv(x_loc, w, doc_ids[:, sl], prev, prev_doc)
     (y * w_y[:, sl]).sum().backward()
     torch.testing.assert_close(y, y_ref[:, sl], atol=1e-6, rtol=1e-6)
@@ -153,9 +160,11 @@ def check_mla(dims: ParallelDims, doc_ids: torch.Tensor, positions: torch.Tensor
 
     lat_loc, q_loc = lat[:, sl].clone().requires_grad_(True), q[:, sl].clone().requires_grad_(True)
     keys, k_doc, k_pos = ctx.gather_latent(lat_loc)
-    # the causal prefix: ranks 0..r, in order, with their doc ids and positions
+    # the causal prefix: ranks 0..r, in order, with their positions and doc ids (earlier ranks' keys: exact on
+    # the document this segment opens with, -1 elsewhere -- the same mask against this rank's queries)
     torch.testing.assert_close(keys, lat[:, : (r + 1) * T], atol=0, rtol=0)
-    assert torch.equal(k_doc, doc_ids[:, : (r + 1) * T]) and torch.equal(k_pos, positions[:, : (r + 1) * T])
+    want_doc = torch.cat([seen_by(doc_ids[:, : r * T], doc_ids[:, r * T]), doc_ids[:, sl]], dim=1)
+    assert torch.equal(k_doc, want_doc) and torch.equal(k_pos, positions[:, : (r + 1) * T])
     o = _masked_attention(q_loc, keys, doc_ids[:, sl], positions[:, sl], k_doc, k_pos)
     (o * w_o[:, sl]).sum().backward()
     torch.testing.assert_close(o, o_ref[:, sl], atol=1e-6, rtol=1e-6)

@@ -18,8 +18,7 @@ from moonep import (
     gather_full_experts,
     sync_router_balance,
 )
-from moonep.comm import CommBuffers
-from moonep.grad_reduce import finish_reduce_back, reduce_back_reference, start_reduce_back
+from moonep.grad_reduce import ReduceBack, reduce_back_reference
 from moonep.layout import build_rank_layout
 from moonep.planner import plan_redundant_experts
 from moonep.prefetch import prefetch_reference, start_prefetch
@@ -66,11 +65,11 @@ def _prefetch_body(rank: int, ws: int) -> None:
     # reduce-back: per-rank replica grads (deterministic), owners receive and add
     rep_grads = [tuple(torch.randn((n,) + tuple(w.shape[1:]), generator=torch.Generator().manual_seed(100 + s))
                        for w in full) for s in range(R)]
-    incoming, handles = start_reduce_back(lays[rank], rep_grads[rank], dist.group.WORLD, ranks, CommBuffers())
-    for h in handles:
-        h.wait()
     own = tuple(torch.zeros_like(w) for w in local)
-    finish_reduce_back(lays[rank], incoming, own, n)
+    reduce = ReduceBack(lays[rank], rep_grads[rank], dist.group.WORLD, ranks)
+    reduce.start()
+    reduce.finish(own, n)  # rank 0 receives from its two hosts in two rounds, at most 2n slots buffered
+    assert reduce.num_rounds == [2, 1, 2][rank] and reduce.peak_rows <= 2 * n  # rank 2 sends in round 1
     ref = reduce_back_reference(lays, rep_grads, E_)
     for got, want in zip(own, ref):
         torch.testing.assert_close(got, want[rank * n:(rank + 1) * n], atol=1e-6, rtol=1e-6)

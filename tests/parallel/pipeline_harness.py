@@ -83,6 +83,7 @@ class InProcessTransport:
     def __init__(self, mailbox: dict[Message, list[torch.Tensor]], counter: ByteCounter) -> None:
         self.mailbox, self.counter = mailbox, counter
         self.generation = 0
+        self.wait_s = 0.0  # nothing ever blocks in process
 
     def complete_sends(self, upto_generation: int) -> None:
         pass  # the mailbox copies on send

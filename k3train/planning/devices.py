@@ -1,0 +1,259 @@
+"""Device table of the planner: published GPU figures, and ``cpu`` calibrated by microbenchmarks on this machine.
+
+GPUs (per GPU; published dense figures, K3-SPEC "Facts for the planning tools"): bf16 dense peak FLOP/s, HBM
+bytes and bandwidth, NVLink bandwidth (the published figure is bidirectional: one direction, 450 GB/s on Hopper,
+is what a ring step moves), the scale-out NIC per GPU (400 Gb/s = 50 GB/s), 8 GPUs per node. Stated achievable
+efficiencies (fractions of those peaks that the planner assumes): ``compute_eff`` 0.55 of the bf16 peak for
+model matmuls (large-GEMM throughput; the end-to-end MFU the plan reports is lower: bubble, communication and
+optimizer come on top), ``link_eff`` 0.8 of the link bandwidth for collectives and p2p, ``hbm_eff`` 0.8 for
+memory-bound updates (AdamW, Muon's elementwise part), ``ep_overlap`` 0.5 of the EP all-to-all hidden under
+compute (the K3 report overlaps dispatch/combine with compute). Every field is overridable
+(``--device-field peak_flops=1.2e15``).
+
+``cpu``: one torchrun rank per process on this host; everything is measured once and cached in a JSON file
+(``~/.cache/k3train/cpu_calibration.json`` or ``--calibration FILE``), keyed by host, cores and torch version:
+matmul FLOP/s at the thread count a rank gets, copy bandwidth, and gloo point-to-point and all-reduce latency and
+bandwidth between two local processes. Per-layer and per-parameter times of a config are measured separately
+(:mod:`k3train.planning.layer_bench`), since framework overhead, not FLOPs, dominates CPU-sized models.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from k3train.config import ConfigError
+
+GB = 1e9
+
+
+@dataclass
+class Device:
+    name: str
+    peak_flops: float          # bf16 dense FLOP/s per device (cpu: measured fp32 matmul at the rank's threads)
+    hbm_bytes: float           # device memory (cpu: host RAM / ranks on the host)
+    hbm_bw: float              # bytes/s
+    nvlink_bw: float           # bytes/s one direction, inside a node (cpu: gloo between local processes)
+    internode_bw: float        # bytes/s one direction per device across nodes
+    gpus_per_node: int = 8
+    lat_intra: float = 5e-6    # seconds per message / ring step inside a node
+    lat_inter: float = 12e-6   # across nodes
+    compute_eff: float = 0.55
+    link_eff: float = 0.8
+    hbm_eff: float = 0.8
+    ep_overlap: float = 0.5
+    cores: int = 0             # cpu: cores shared by the ranks of the host (0 = no sharing: a GPU each)
+    threads: int = 1           # cpu: intra-op threads per rank
+    calibration: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.name == "cpu"
+
+    def flops(self) -> float:
+        return self.peak_flops * self.compute_eff
+
+    def link(self, intra: bool) -> tuple[float, float]:
+        """``(latency s, bandwidth bytes/s)`` of a link inside (``intra``) or across nodes."""
+        if intra:
+            return self.lat_intra, self.nvlink_bw * self.link_eff
+        return self.lat_inter, self.internode_bw * self.link_eff
+
+    def describe(self) -> str:
+        s = (f"device {self.name}: {self.peak_flops / 1e12:.3g} TFLOP/s x {self.compute_eff:.2f} achievable, "
+             f"{self.hbm_bytes / 2**30:.1f} GiB at {self.hbm_bw / GB:.3g} GB/s, intra-node {self.nvlink_bw / GB:.3g} "
+             f"GB/s, inter-node {self.internode_bw / GB:.3g} GB/s (x {self.link_eff:.2f}), "
+             f"{self.gpus_per_node} per node")
+        if self.is_cpu:
+            s += f", {self.cores} cores, {self.threads} thread(s)/rank; calibration {self.calibration.get('path', '')}"
+        return s
+
+
+PUBLISHED = {
+    "h100": Device("h100", peak_flops=989e12, hbm_bytes=80 * GB, hbm_bw=3.35e12, nvlink_bw=450 * GB,
+                   internode_bw=50 * GB),
+    "h200": Device("h200", peak_flops=989e12, hbm_bytes=141 * GB, hbm_bw=4.8e12, nvlink_bw=450 * GB,
+                   internode_bw=50 * GB),
+    "b200": Device("b200", peak_flops=2250e12, hbm_bytes=180 * GB, hbm_bw=8e12, nvlink_bw=900 * GB,
+                   internode_bw=100 * GB),
+}
+DEVICE_NAMES = ("cpu", *PUBLISHED)
+
+
+def apply_fields(dev: Device, items: list[str]) -> Device:
+    """``["peak_flops=1e15", ...]`` -> a copy with those fields set (ConfigError naming a bad one)."""
+    kinds = {f.name: f.type for f in fields(Device) if f.name not in ("name", "calibration")}
+    out = {}
+    for it in items:
+        k, sep, v = it.partition("=")
+        if not sep or k not in kinds:
+            raise ConfigError(f"--device-field {it!r}: expected FIELD=VALUE with FIELD one of {', '.join(kinds)}")
+        try:
+            out[k] = int(float(v)) if kinds[k] in ("int", int) else float(v)
+        except ValueError:
+            raise ConfigError(f"--device-field {it!r}: {v!r} is not a number") from None
+        if out[k] < 0 or (k in ("peak_flops", "hbm_bytes", "hbm_bw", "nvlink_bw", "internode_bw") and out[k] == 0):
+            raise ConfigError(f"--device-field {it!r}: must be positive")
+    return replace(dev, **out)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# cpu calibration
+# --------------------------------------------------------------------------------------------------------------
+def cache_path(explicit: str | None = None) -> Path:
+    if explicit:
+        return Path(explicit)
+    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return base / "k3train" / "cpu_calibration.json"
+
+
+def host_key(threads: int) -> str:
+    import torch
+
+    return f"{socket.gethostname()}|cores={cores_available()}|torch={torch.__version__}|threads={threads}"
+
+
+def cores_available() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def load_cache(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def save_cache(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    tmp.replace(path)
+
+
+def _median_time(fn, reps: int) -> float:  # noqa: ANN001
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def bench_matmul(threads: int, n: int = 512) -> float:
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    t = _median_time(lambda: a @ b, 7)
+    torch.set_num_threads(old)
+    return 2 * n ** 3 / t
+
+
+def bench_copy(nbytes: int = 64 * 2**20) -> float:
+    import torch
+
+    x = torch.empty(nbytes // 4)
+    y = torch.empty_like(x)
+    t = _median_time(lambda: y.copy_(x), 5)
+    return 2 * nbytes / t  # read + write
+
+
+def _gloo_worker(rank: int, port: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    res = {}
+    for name, n in (("small", 256), ("big", 4 * 2**20)):
+        x = torch.zeros(n // 4)
+        reps = 30 if name == "small" else 6
+        # ping-pong: one-way time = half a round trip
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            if rank == 0:
+                dist.send(x, 1)
+                dist.recv(x, 1)
+            else:
+                dist.recv(x, 0)
+                dist.send(x, 0)
+        res[f"p2p_{name}"] = (time.perf_counter() - t0) / reps / 2
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            dist.all_reduce(x)
+        res[f"ar_{name}"] = (time.perf_counter() - t0) / reps
+    if rank == 0:
+        Path(out).write_text(json.dumps(res))
+    dist.destroy_process_group()
+
+
+def bench_gloo() -> dict[str, float]:
+    """Latency and bandwidth of gloo p2p and all-reduce between two local processes."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "gloo.json")
+        mp.start_processes(_gloo_worker, args=(port, out), nprocs=2, join=True, start_method="spawn")
+        r = json.loads(Path(out).read_text())
+    big = 4 * 2**20
+    p2p_bw = big / max(1e-9, r["p2p_big"] - r["p2p_small"])
+    # a 2-rank ring all-reduce moves 2 (n-1)/n = 1 x the bytes over 2 (n-1) = 2 latency steps
+    ar_lat = r["ar_small"] / 2
+    ar_bw = big / max(1e-9, r["ar_big"] - r["ar_small"])
+    return {"p2p_latency_s": r["p2p_small"], "p2p_bw": p2p_bw, "coll_latency_s": ar_lat, "coll_bw": ar_bw}
+
+
+def calibrate_cpu(world_size: int, path: Path, log: Any = print) -> Device:
+    """The ``cpu`` device for ``world_size`` ranks on this host (measured once per host and thread count)."""
+    cores = cores_available()
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    threads = int(env) if env.isdigit() and int(env) > 0 else max(1, cores // max(1, world_size))
+    data = load_cache(path)
+    key = host_key(threads)
+    cal = data.get(key, {}).get("machine")
+    if cal is None:
+        log(f"calibrating cpu (matmul, copy, gloo between 2 processes; cached in {path}) ...")
+        cal = {"matmul_flops": bench_matmul(threads), "copy_bw": bench_copy(), **bench_gloo()}
+        data.setdefault(key, {})["machine"] = cal
+        save_cache(path, data)
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        ram = 16 * 2**30
+    return Device("cpu", peak_flops=cal["matmul_flops"], hbm_bytes=ram / max(1, world_size), hbm_bw=cal["copy_bw"],
+                  nvlink_bw=cal["p2p_bw"], internode_bw=cal["p2p_bw"], gpus_per_node=max(1, world_size),
+                  lat_intra=cal["p2p_latency_s"], lat_inter=cal["p2p_latency_s"], compute_eff=1.0, link_eff=1.0,
+                  hbm_eff=1.0, ep_overlap=0.0, cores=cores, threads=threads,
+                  calibration={**cal, "path": str(path), "key": key})
+
+
+def get_device(name: str, world_size: int, field_items: list[str], calibration: str | None = None,
+               log: Any = print) -> Device:
+    name = name.lower()
+    if name not in DEVICE_NAMES:
+        raise ConfigError(f"--device {name!r}: expected one of {', '.join(DEVICE_NAMES)}")
+    apply_fields(PUBLISHED["h100"], field_items)  # bad fields are reported before any calibration
+    dev = calibrate_cpu(world_size, cache_path(calibration), log) if name == "cpu" else PUBLISHED[name]
+    return apply_fields(dev, field_items)
+
+
+def device_json(dev: Device) -> dict[str, Any]:
+    return asdict(dev)

@@ -1,0 +1,349 @@
+"""The parallel-layout planner: enumerate valid layouts, bound, predict, estimate memory, rank (``tools/plan.py``).
+
+Order of work (cheapest first, every skip exact):
+
+1. :func:`k3train.planning.layouts.enumerate_layouts` -- every layout the run validation accepts.
+2. Static memory bound (:func:`step_time.static_memory_lower_bound`: weights + gradients + optimizer state alone)
+   above the device memory: infeasible, no trace (``fits: false, skipped: 'bound'``).
+3. Step-time lower bound (:func:`step_time.compute_lower_bound`) for the rest; layouts are taken in its order and
+   simulated (:func:`step_time.predict`) -- branch and bound: once ``top`` layouts that FIT are known, a layout
+   whose lower bound is not below the ``top``-th of them cannot enter the ranking and is not simulated
+   (``skipped: 'slower'``). A recompute layout is dominated by its twin without recomputation when that one fits
+   (same everything, strictly more compute): skipped (``skipped: 'dominated'``).
+4. Memory: :func:`k3train.planning.memory.estimate` (the real code on fake tensors) for each simulated layout that
+   could enter the ranking, with an :class:`EstimateCache` shared by all (fake full model per ep, per-layer fits,
+   optimizer transients) -- ``fits`` = worst rank's peak <= device memory.
+
+``--exhaustive`` simulates and traces every layout (small spaces; the tests use it).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from k3train.planning.devices import Device
+from k3train.planning.layouts import Layout, Validator, enumerate_layouts
+from k3train.planning.step_time import (ParamFacts, Prediction, compute_lower_bound, predict, single_program,
+                                        static_memory_lower_bound)
+
+
+class EstimateCache:
+    """What :func:`k3train.planning.memory.estimate` may reuse across layouts of ONE model config."""
+
+    def __init__(self) -> None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        self.fake = FakeTensorMode(allow_non_fake_inputs=True)
+        self.pieces: dict = {}
+        self.ns: dict = {}
+        self.results: dict[Layout, Any] = {}  # layout -> Estimate (a re-plan for another device traces nothing)
+        self._full: dict[tuple, Any] = {}
+
+    def full_model(self, cfg: Any, ep: int, fake: Any) -> Any:
+        from k3train.planning.memory import build_full
+        from moonep.shard import mark_expert_params
+
+        key = (ep, cfg.train.dtype)
+        if key not in self._full:
+            m = build_full(cfg, ep, 0, fake)
+            mark_expert_params(m)
+            self._full[key] = m
+        return self._full[key]
+
+
+@dataclass
+class Row:
+    layout: Layout
+    cfg: Any = field(repr=False, default=None)
+    mem_bound: int = 0
+    lower_bound_s: float = 0.0
+    pred: Prediction | None = None
+    peak_bytes: int | None = None
+    stage_peaks: list[int] = field(default_factory=list)
+    fits: bool | None = None
+    skipped: str = ""
+    measured_step_s: float | None = None
+
+    def tokens_per_s(self, cfg: Any) -> float | None:
+        if self.pred is None:
+            return None
+        return cfg.train.global_batch_size * cfg.train.seq_len / self.pred.step_s
+
+    def as_json(self, cfg: Any, world: int, peak_flops: float) -> dict[str, Any]:
+        return {"layout": asdict(self.layout), "fits": self.fits, "peak_bytes": self.peak_bytes,
+                "stage_peak_bytes": self.stage_peaks or None, "memory_lower_bound_bytes": self.mem_bound,
+                "predicted_step_s": self.pred.step_s if self.pred else None,
+                "predicted_tokens_per_s": self.tokens_per_s(cfg),
+                "predicted_tokens_per_s_per_device": (self.tokens_per_s(cfg) or 0) / world if self.pred else None,
+                "mfu": mfu(self, cfg, world, peak_flops) if self.pred else None,
+                "breakdown": self.pred.breakdown() if self.pred else None, "skipped": self.skipped or None,
+                "measured_step_s": self.measured_step_s}
+
+
+@dataclass
+class PlanResult:
+    rows: list[Row]
+    world: int
+    device: Device
+    base_cfg: Any
+    candidates: int
+    seconds: dict[str, float]
+    notes: list[str]
+
+    def ranked(self) -> list[Row]:
+        ok = [r for r in self.rows if r.pred is not None and r.fits]
+        return sorted(ok, key=lambda r: r.pred.step_s)
+
+
+def mfu(row: Row, cfg: Any, world: int, peak_flops: float) -> float:
+    """Model FLOPs/s (``k3train.model.flops``, as the trainer's MFU) over the devices' peak."""
+    from k3train.model.flops import model_flops_per_token
+
+    tps = row.tokens_per_s(cfg) or 0.0
+    return model_flops_per_token(cfg.model, cfg.train.seq_len) * tps / (world * peak_flops)
+
+
+class Planner:
+    def __init__(self, config: str, overrides: list[str], world: int, dev: Device, *, top: int = 10,
+                 skew: float = 1.5, exhaustive: bool = False, layer_times: Any = None,
+                 trace_budget_s: float = 240.0, sim_budget_s: float = 120.0, log: Any = print,
+                 pairs: tuple[list[tuple[Layout, Any]], int] | None = None,
+                 cache: EstimateCache | None = None) -> None:
+        self.config, self.overrides, self.world, self.dev = config, overrides, world, dev
+        self.top, self.skew, self.exhaustive, self.lt = top, skew, exhaustive, layer_times
+        self.trace_budget_s, self.sim_budget_s, self.log = trace_budget_s, sim_budget_s, log
+        self.cache = cache or EstimateCache()
+        self._programs: dict[tuple, Any] = {}
+        self._pairs = pairs
+        self.enum_s = 0.0  # seconds the caller spent enumerating ``pairs``
+
+    def programs(self, lay: Layout, M: int) -> list[list[Any]]:
+        from parallel.pipeline.p2p import build_programs
+        from parallel.pipeline.schedules import build_schedule
+
+        if lay.pp == 1:
+            return [single_program(M)]
+        key = (lay.schedule, lay.pp, lay.vpp, M)
+        if key not in self._programs:
+            self._programs[key] = build_programs(build_schedule(lay.schedule, lay.pp, lay.vpp, M), lay.pp, lay.vpp)
+        return self._programs[key]
+
+    def run(self) -> PlanResult:
+        t0 = time.perf_counter()
+        pairs, checked = self._pairs or enumerate_layouts(self.config, self.overrides, self.world)
+        t_enum = time.perf_counter() - t0 if self._pairs is None else self.enum_s
+        if not pairs:
+            from k3train.config import ConfigError
+
+            raise ConfigError(f"no valid layout of {self.config} for world size {self.world} "
+                              f"(with the dimensions pinned on the command line)")
+        base = pairs[0][1]
+        self.log(f"{len(pairs)} valid layouts ({checked} candidates checked) in {t_enum:.1f} s")
+        facts = ParamFacts.build(base)
+        val = Validator(base, self.world)
+        opt_times = self.lt.optimizer(base, facts.infos) if self.lt is not None else None
+        rows = [Row(layout=lay, cfg=cfg) for lay, cfg in pairs]
+        notes: list[str] = []
+        # 2. static memory bound
+        for r in rows:
+            part = val.partition(r.cfg)
+            r.mem_bound = static_memory_lower_bound(facts, r.cfg, part, r.layout.pp, r.layout.dp * r.layout.cp,
+                                                    r.layout.ep, r.layout.zero)
+            if r.mem_bound > self.dev.hbm_bytes:
+                r.fits, r.skipped = False, "bound"
+        n_bound = sum(r.skipped == "bound" for r in rows)
+        if n_bound:
+            notes.append(f"{n_bound} layouts exceed {self.dev.hbm_bytes / 2**30:.1f} GiB on weights + gradients + "
+                         f"optimizer state alone: dropped without a trace")
+        live = [r for r in rows if not r.skipped]
+        t1 = time.perf_counter()
+        for r in live:
+            r.lower_bound_s = compute_lower_bound(r.cfg, r.layout, val.partition(r.cfg), self.dev, facts, self.lt,
+                                                  self.skew, opt_times)
+        live.sort(key=lambda r: (r.lower_bound_s, r.layout))
+        t_lb = time.perf_counter() - t1
+        self.log(f"bounds: {n_bound} over the memory bound; step-time lower bounds of {len(live)} in {t_lb:.1f} s")
+        # 3 + 4: branch and bound over predicted time, tracing memory of the contenders
+        fitting: list[float] = []
+        fits_norc: set[Layout] = set()
+        t_sim = t_mem = 0.0
+        n_traced = 0
+        for r in live:
+            kth = sorted(fitting)[self.top - 1] if len(fitting) >= self.top else math.inf
+            if not self.exhaustive and r.lower_bound_s >= kth:
+                r.skipped = "slower"
+                continue
+            lay = r.layout
+            if not self.exhaustive and lay.recompute and _twin(lay) in fits_norc:
+                r.skipped = "dominated"
+                continue
+            if not self.exhaustive and t_sim > self.sim_budget_s:
+                r.skipped = "simulation budget"
+                continue
+            ts = time.perf_counter()
+            r.pred = predict(r.cfg, lay, val.partition(r.cfg), self.programs(lay, r.cfg.train.grad_accum_steps),
+                             self.dev, facts, self.lt, self.skew, opt_times)
+            t_sim += time.perf_counter() - ts
+            if not self.exhaustive and r.pred.step_s >= kth:
+                r.skipped = "slower"
+                continue
+            if not self.exhaustive and t_mem > self.trace_budget_s:
+                r.skipped = "trace budget"
+                continue
+            ts = time.perf_counter()
+            self.trace(r)
+            t_mem += time.perf_counter() - ts
+            n_traced += 1
+            self.log(f"  memory of {lay.short()}: {_gib(r.peak_bytes)} GiB ({'fits' if r.fits else 'too big'}), "
+                     f"predicted {r.pred.step_s:.4g} s [{time.perf_counter() - ts:.1f} s]")
+            if r.fits:
+                fitting.append(r.pred.step_s)
+                if not lay.recompute:
+                    fits_norc.add(lay)
+        if self.lt is not None:
+            self.lt.save()
+        counts = {k: sum(r.skipped == k for r in rows)
+                  for k in ("slower", "dominated", "trace budget", "simulation budget")}
+        if counts["slower"]:
+            notes.append(f"{counts['slower']} layouts not simulated/traced: their step-time lower bound (or "
+                         f"prediction) is above the {self.top}th fitting layout's prediction")
+        if counts["dominated"]:
+            notes.append(f"{counts['dominated']} recompute layouts skipped: their twin without recompute fits and "
+                         f"is faster")
+        if counts["trace budget"]:
+            notes.append(f"{counts['trace budget']} layouts predicted but not traced: memory trace budget "
+                         f"({self.trace_budget_s:.0f} s) spent")
+        if counts["simulation budget"]:
+            notes.append(f"{counts['simulation budget']} layouts with the largest step-time lower bounds not "
+                         f"simulated: simulation budget ({self.sim_budget_s:.0f} s) spent")
+        secs = {"enumerate": t_enum, "bounds": t_lb, "simulate": t_sim, "memory": t_mem,
+                "total": time.perf_counter() - t0}
+        notes.append(f"memory traced for {n_traced} layouts in {t_mem:.1f} s; {len(rows)} layouts, "
+                     f"{sum(r.pred is not None for r in rows)} simulated in {t_sim:.1f} s")
+        return PlanResult(rows=rows, world=self.world, device=self.dev, base_cfg=base, candidates=checked,
+                          seconds=secs, notes=notes)
+
+    def trace(self, r: Row) -> None:
+        from k3train.planning.memory import estimate
+
+        if r.layout not in self.cache.results:
+            self.cache.results[r.layout] = estimate(r.cfg, self.world, self.cache)
+        est = self.cache.results[r.layout]
+        r.peak_bytes = max(x.peak for x in est.ranks)
+        r.stage_peaks = [max(x.peak for x in est.ranks if x.pp_rank == p) for p in range(r.layout.pp)]
+        r.fits = r.peak_bytes <= self.dev.hbm_bytes
+
+
+def _twin(lay: Layout) -> Layout:
+    from dataclasses import replace
+
+    return replace(lay, recompute=False)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# output
+# --------------------------------------------------------------------------------------------------------------
+def _gib(x: float | None) -> str:
+    return "-" if x is None else f"{x / 2**30:.2f}"
+
+
+def format_table(res: PlanResult, rows: list[Row]) -> str:
+    cfg, W = res.base_cfg, res.world
+    head = (f"{'#':>3} {'layout':<40} {'step s':>9} {'tok/s/dev':>10} {'MFU':>6} {'bubble':>6} {'comm':>6} "
+            f"{'opt':>5} {'peak GiB':>9}  {'per stage GiB':<24} {'measured':>9}")
+    lines = [head]
+    for i, r in enumerate(rows, 1):
+        p = r.pred
+        tps = (r.tokens_per_s(cfg) or 0) / W
+        stages = ",".join(f"{s / 2**30:.1f}" for s in r.stage_peaks[:8]) + ("..." if len(r.stage_peaks) > 8 else "")
+        meas = f"{r.measured_step_s:9.3f}" if r.measured_step_s is not None else f"{'':>9}"
+        lines.append(f"{i:>3} {r.layout.short():<40} {p.step_s:9.4g} {tps:10.4g} {100 * mfu(r, cfg, W, res.device.peak_flops):5.1f}% "
+                     f"{100 * p.bubble / p.step_s:5.1f}% {100 * p.exposed_comm / p.step_s:5.1f}% "
+                     f"{100 * p.optimizer / p.step_s:4.1f}% {_gib(r.peak_bytes):>9}  {stages:<24} {meas}")
+    return "\n".join(lines)
+
+
+def plot(res: PlanResult, path: str, chosen: Row | None, mark: Row | None = None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cfg, W = res.base_cfg, res.world
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for fits, color, label in ((True, "tab:blue", "fits"), (False, "tab:red", "does not fit")):
+        pts = [(r.peak_bytes / 2**30, (r.tokens_per_s(cfg) or 0) / W) for r in res.rows
+               if r.pred is not None and r.peak_bytes is not None and bool(r.fits) == fits]
+        if pts:
+            ax.scatter(*zip(*pts), s=12, color=color, alpha=0.6, label=label)
+    ax.axvline(res.device.hbm_bytes / 2**30, color="gray", ls="--", lw=1, label="device memory")
+    for r, mk, lab in ((chosen, "*", "chosen"), (mark, "D", "reference")):
+        if r is not None and r.pred is not None and r.peak_bytes is not None:
+            ax.scatter([r.peak_bytes / 2**30], [(r.tokens_per_s(cfg) or 0) / W], s=160, marker=mk, color="k",
+                       label=f"{lab}: {r.layout.short()}", zorder=3)
+    ax.set_xlabel("peak memory of the worst rank (GiB)")
+    ax.set_ylabel("predicted tokens/s per device")
+    ax.set_title(f"{cfg.source or ''}: {W} x {res.device.name}", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# measurement
+# --------------------------------------------------------------------------------------------------------------
+def measure_step_time(config: str, overrides: list[str], world: int, steps: int = 4, threads: int = 1,
+                      timeout: float = 1800) -> float:
+    """Median ``step_time_s`` (metrics.jsonl) of steps 2..``steps`` of a real torchrun training run (``threads``
+    intra-op threads per rank: the calibration's)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    with tempfile.TemporaryDirectory(prefix="k3plan_") as tmp:
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+        env.update(WANDB_MODE="disabled", OMP_NUM_THREADS=str(threads), PYTHONPATH=str(root))
+        torchrun = Path(sys.executable).with_name("torchrun")
+        cmd = [str(torchrun), "--standalone", f"--nproc_per_node={world}", "-m", "k3train.train", "--config", config,
+               *overrides, f"--train.out_dir={tmp}/run", f"--train.steps={steps}", "--checkpoint.resume=none",
+               "--checkpoint.interval=0", "--checkpoint.save_final=false", "--logging.wandb=false",
+               "--logging.peak_flops=1e12", "--train.eval_interval=0"]
+        p = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+        if p.returncode != 0:
+            raise RuntimeError(f"measure run failed (exit {p.returncode}): {' '.join(cmd)}\n{p.stderr[-3000:]}")
+        recs = [json.loads(x) for x in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    ts = sorted(r["step_time_s"] for r in recs if r["step"] > 1)
+    if not ts:
+        raise RuntimeError("measure run logged no step after the first")
+    return ts[len(ts) // 2]
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    def ranks(x: list[float]) -> list[float]:
+        order = sorted(range(len(x)), key=lambda i: x[i])
+        out = [0.0] * len(x)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and x[order[j + 1]] == x[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+
+    ra, rb = ranks(a), ranks(b)
+    n = len(a)
+    if n < 2:
+        return float("nan")
+    ma, mb = sum(ra) / n, sum(rb) / n
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    va = math.sqrt(sum((x - ma) ** 2 for x in ra))
+    vb = math.sqrt(sum((y - mb) ** 2 for y in rb))
+    return cov / (va * vb) if va and vb else float("nan")

@@ -1,0 +1,162 @@
+"""Collectives without processes: run the real distributed code of ONE rank for its memory, not its values.
+
+The estimator wants the bytes a rank holds while it runs KCP (or any code written against ``torch.distributed``),
+but it has no process group and no peers. :func:`simulated_collectives` patches the ``torch.distributed`` functions
+the project calls so that, for a :class:`SimGroup` (a size and a rank, nothing else), each collective does the
+local work with the same output shapes and the same in-place writes as the real one:
+
+* ``all_gather_single`` / ``all_gather_into_tensor``: every slot of the output receives THIS rank's input (the
+  peers' values are unknown, and only sizes matter for memory) -- unless the group has a :class:`SimBoard`:
+  then the ranks are threads of this process (:func:`run_ranks`) and exchange their real values (the estimator
+  builds every CP rank's KCP layout this way, so that the layout checks see the real documents);
+* ``reduce_scatter_single`` / ``reduce_scatter_tensor``: the output receives this rank's slice of the input;
+* ``all_reduce`` / ``broadcast``: nothing changes (the tensor is already the right size);
+* ``all_to_all_single``: the output receives the input (balanced routing: a rank receives what it sends);
+* ``get_world_size`` / ``get_rank``: the SimGroup's.
+
+Every call on a real process group (or no group) goes to torch unchanged. Calls made with ``async_op=True`` get a
+finished work object. The module never allocates beyond what the real collective's caller already did.
+"""
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+
+class SimBoard:
+    """Where the thread-ranks of :func:`run_ranks` exchange all-gathered tensors (real values)."""
+
+    def __init__(self, size: int) -> None:
+        self.slots: list[Any] = [None] * size
+        self.barrier = threading.Barrier(size, timeout=600)
+
+    def all_gather(self, rank: int, x: torch.Tensor) -> list[torch.Tensor]:
+        self.slots[rank] = x.detach().clone()
+        self.barrier.wait()
+        out = list(self.slots)
+        self.barrier.wait()  # nobody overwrites a slot before every rank has read it
+        return out
+
+
+class SimGroup:
+    """A stand-in process group of ``size`` ranks seen from ``rank`` (for :func:`simulated_collectives`)."""
+
+    def __init__(self, size: int, rank: int, name: str = "sim", board: SimBoard | None = None) -> None:
+        if not 0 <= rank < size:
+            raise ValueError(f"SimGroup: rank {rank} outside a group of {size}")
+        self.size, self.rank, self.name, self.board = size, rank, name, board
+
+    def __repr__(self) -> str:
+        return f"SimGroup({self.name}: rank {self.rank} of {self.size})"
+
+
+class _Done:
+    """The work object of a simulated async collective (already complete)."""
+
+    def wait(self, *_: Any, **__: Any) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _group_of(args: tuple, kwargs: dict, pos: int) -> Any:
+    return kwargs.get("group", args[pos] if len(args) > pos else None)
+
+
+def _gather(out: torch.Tensor, inp: torch.Tensor, g: SimGroup) -> None:
+    if g.board is not None:
+        out.view(g.size, -1).copy_(torch.stack([t.reshape(-1) for t in g.board.all_gather(g.rank, inp)]))
+    else:
+        out.view(g.size, -1).copy_(inp.reshape(1, -1).expand(g.size, -1))
+
+
+def _scatter(out: torch.Tensor, inp: torch.Tensor, g: SimGroup) -> None:
+    out.view(-1).copy_(inp.reshape(g.size, -1)[g.rank])
+
+
+def _all_to_all(out: torch.Tensor, inp: torch.Tensor, *_: Any, **__: Any) -> None:
+    if out.numel() == inp.numel():
+        out.view(-1).copy_(inp.reshape(-1))
+    else:  # unbalanced splits: the size came from the (simulated) split exchange; values are irrelevant
+        out.zero_()
+
+
+# name -> (position of the ``group`` argument, local action(args) for a SimGroup)
+_SIMULATED: dict[str, tuple[int, Any]] = {
+    "all_gather_single": (2, lambda g, out, inp, *a, **k: _gather(out, inp, g)),
+    "all_gather_into_tensor": (2, lambda g, out, inp, *a, **k: _gather(out, inp, g)),
+    "reduce_scatter_single": (3, lambda g, out, inp, *a, **k: _scatter(out, inp, g)),
+    "reduce_scatter_tensor": (3, lambda g, out, inp, *a, **k: _scatter(out, inp, g)),
+    "all_reduce": (2, lambda g, t, *a, **k: None),
+    "broadcast": (2, lambda g, t, *a, **k: None),
+    "all_to_all_single": (4, lambda g, out, inp, *a, **k: _all_to_all(out, inp)),
+    "barrier": (0, lambda g, *a, **k: None),
+}
+
+
+@contextmanager
+def simulated_collectives() -> Iterator[None]:
+    """Patch ``torch.distributed`` so that calls on a :class:`SimGroup` run locally (see the module docstring)."""
+    saved: dict[str, Any] = {}
+
+    def wrap(name: str, pos: int, action: Any) -> Any:
+        orig = getattr(dist, name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            g = _group_of(args, kwargs, pos)
+            if not isinstance(g, SimGroup):
+                return orig(*args, **kwargs)
+            action(g, *args, **{k: v for k, v in kwargs.items() if k != "group"})
+            return _Done() if kwargs.get("async_op") else None
+        return call
+
+    def size_or_rank(name: str) -> Any:
+        orig = getattr(dist, name)
+
+        def call(group: Any = None, *args: Any, **kwargs: Any) -> int:
+            if isinstance(group, SimGroup):
+                return group.size if name == "get_world_size" else group.rank
+            return orig(group, *args, **kwargs)
+        return call
+
+    for name, (pos, action) in _SIMULATED.items():
+        if hasattr(dist, name):
+            saved[name] = getattr(dist, name)
+            setattr(dist, name, wrap(name, pos, action))
+    for name in ("get_world_size", "get_rank"):
+        saved[name] = getattr(dist, name)
+        setattr(dist, name, size_or_rank(name))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+def run_ranks(size: int, fn: Callable[[SimGroup], Any], name: str = "sim") -> list[Any]:
+    """``[fn(group of rank r) for r in range(size)]`` with the ranks as threads exchanging real values through one
+    :class:`SimBoard` (call inside :func:`simulated_collectives`); a rank's exception is re-raised."""
+    board = SimBoard(size)
+    out: list[Any] = [None] * size
+    errors: list[BaseException] = []
+
+    def body(r: int) -> None:
+        try:
+            out[r] = fn(SimGroup(size, r, name, board))
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+            errors.append(e)
+            board.barrier.abort()
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
+    return out

@@ -1,0 +1,552 @@
+"""Predicted step time of one layout: per-action costs, the real per-rank pipeline programs simulated, then the
+data-parallel reductions and the optimizer.
+
+Per virtual stage and micro-batch (``B = micro_batch_size`` rows of ``T = seq_len / cp`` tokens):
+
+* compute: GPUs -- forward FLOPs of each layer from the project's partitioner cost model
+  (``parallel.pipeline.partition.layer_cost / embed_cost / head_cost``: KDA, MLA, dense FFN, LatentMoE, AttnRes,
+  LM head + MTP) x ``B*T`` at the device's achievable FLOP/s, backward = 2 x forward; the MLA attention term is taken
+  at the LAST context-parallel rank's mean context (``T_full - T/2``: MLA-CP's slowest rank). ``--device cpu`` --
+  measured per-layer times (:mod:`k3train.planning.layer_bench`). Full recomputation adds the forward to the
+  backward. Plain EP (no MoonEP) multiplies the routed-expert share of a MoE layer by the routing skew (the most
+  loaded EP rank's load over the mean; ``--ep-skew``, default 1.5 -- about what QB leaves early in training, see
+  ``moe_maxvio`` in metrics.jsonl); MoonEP computes exactly ``N*k`` rows on every rank (skew 1).
+* in-action communication: EP -- per MoE layer two all-to-alls forward (dispatch, combine) and two backward of
+  ``N*k`` latent rows, the ``(ep-1)/ep`` that leave the rank (x skew on the busiest receiver without MoonEP); MoonEP
+  adds the redundant experts' weight prefetch (``min(E/ep, ceil((skew-1) E/ep))`` experts of ``3 l f`` each) and
+  their fp32 gradient reduce-back; ``1 - ep_overlap`` of it is exposed. KCP -- per KDA layer one all-gather of
+  the ``B x H x dk x (dk+dv)`` fp32 pairs forward and one backward; MLA-CP -- per MLA layer an all-gather of the
+  ``B x T x (kv_lora_rank + rope)`` latents forward and a reduce-scatter backward. Ring formulas
+  (``(n-1)`` latency steps, ``(n-1)/n x bytes`` per rank) on the link the group spans.
+* p2p: the cached AttnRes plan's payload per boundary (``memory.plan_bytes``) over the link between the two ranks.
+
+The schedule: :func:`parallel.pipeline.p2p.build_programs` gives every pipeline rank's real program (receives
+posted, computes, sends); :func:`simulate_programs` executes those programs event by event -- a compute starts
+when its inputs have arrived, a send occupies its link -- so the bubble is the real schedule's. On a CPU the ranks
+of the host share its cores (processor sharing: every busy rank, including the dp x cp replicas of each pipeline
+rank, runs at ``min(1, cores / (threads x busy ranks))``).
+
+After the pipeline: gradients (parameter dtype) all-reduced over ``dp_cp`` (dense) and ``edp`` (routed experts) at
+ZeRO 0/1; at ZeRO-2 reduced to owners per chunk as soon as the chunk's last backward ends (overlapping the rest of
+the pipeline); the optimizer (Muon Newton-Schulz FLOPs + elementwise bytes; on cpu measured per parameter),
+balanced over owners at ZeRO >= 1 (not below the largest parameter); ZeRO >= 1 then broadcasts the updated
+parameters (all-gather bytes). Ranks are placed in ``ParallelDims``' order, ``gpus_per_node`` per node; a group
+whose ranks share a node uses NVLink, else the inter-node link.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from k3train.planning.devices import Device
+
+
+@dataclass
+class Prediction:
+    step_s: float
+    compute: float
+    exposed_comm: float
+    bubble: float
+    optimizer: float
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def breakdown(self) -> dict[str, float]:
+        return {"compute": self.compute, "exposed_comm": self.exposed_comm, "bubble": self.bubble,
+                "optimizer": self.optimizer}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# static per-config facts: parameters per layer (from the meta-device model)
+# --------------------------------------------------------------------------------------------------------------
+@dataclass
+class ParamFacts:
+    """Per piece (``'embed'``, layer index, ``'head'``): ``(dense numel, expert numel, muon NS FLOPs dense,
+    expert NS FLOPs, largest dense numel)`` and the ``ParamInfo`` list (cpu optimizer timing)."""
+    pieces: dict[Any, list[float]]
+    infos: list[Any]
+    piece_of: dict[str, Any]
+
+    @classmethod
+    def build(cls, cfg: Any) -> "ParamFacts":
+        import torch
+
+        from k3train.model.model import K3Model
+        from k3train.optim.newton_schulz import ns_flops
+        from k3train.optim.param_groups import build_param_infos
+        from moonep.shard import is_expert_param, mark_expert_params
+
+        with torch.device("meta"):
+            m = K3Model(cfg.model)
+        mark_expert_params(m)
+        infos = build_param_infos([m], cfg.optim)
+        pieces: dict[Any, list[float]] = {}
+        piece_of = {}
+        for inf in infos:
+            head = inf.fqn.split(".")
+            key: Any = int(head[1]) if head[0] == "layers" else ("embed" if head[0] == "embed_tokens" else "head")
+            piece_of[inf.fqn] = key
+            p = pieces.setdefault(key, [0.0, 0.0, 0.0, 0.0, 0.0])
+            ex = is_expert_param(inf.param)
+            ns = sum(ns_flops(s, cfg.optim.ns_steps) for s in inf.ns_shapes())
+            p[1 if ex else 0] += inf.numel
+            p[3 if ex else 2] += ns
+            if not ex:
+                p[4] = max(p[4], inf.numel)
+        return cls(pieces=pieces, infos=infos, piece_of=piece_of)
+
+    def stage_keys(self, part: Any, pp_rank: int) -> list[Any]:
+        keys: list[Any] = []
+        for v in part.local_stages(pp_rank):
+            s, e = part.bounds[v]
+            keys += list(range(s, e))
+            if v == 0:
+                keys.append("embed")
+            if v == part.num_stages - 1:
+                keys.append("head")
+                if part.pp > 1 and "embed" not in keys:
+                    keys.append("embed")  # the MTP's copy of the shared embedding (stage.shares_embedding)
+        return keys
+
+    def stage_numel(self, part: Any, pp_rank: int, ep: int) -> tuple[float, float, float]:
+        """``(dense, expert on this rank, largest dense parameter)``."""
+        d = e = big = 0.0
+        for k in self.stage_keys(part, pp_rank):
+            p = self.pieces.get(k, [0.0] * 5)
+            d, e, big = d + p[0], e + p[1] / ep, max(big, p[4])
+        return d, e, big
+
+
+def static_memory_lower_bound(facts: ParamFacts, cfg: Any, part: Any, pp: int, dpcp: int, ep: int,
+                              zero: int) -> int:
+    """A lower bound on the worst rank's peak from parameters, gradients and optimizer state alone (the memory
+    estimator's byte rules: parameter-dtype weights and gradients, fp32 master copies of non-fp32 weights, Muon 1
+    / AdamW 2 fp32 states -- counted as Muon for all, a lower bound; owners' shares at least the mean)."""
+    es = 2 if cfg.train.dtype == "bfloat16" else 4
+    master = 4 if es != 4 else 0
+    best = 0.0
+    for r in range(pp):
+        d, e, _ = facts.stage_numel(part, r, ep)
+        n = d + e
+        grads = n * es if zero < 2 else (d / dpcp + e / max(1, dpcp // ep)) * es
+        opt = n * (4 + master)
+        if zero >= 1:
+            opt = (d / dpcp + e / max(1, dpcp // ep)) * (4 + master)
+        best = max(best, n * es + grads + opt)
+    return int(best)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# collectives and links
+# --------------------------------------------------------------------------------------------------------------
+def node_of(rank: int, dev: Device) -> int:
+    return rank // max(1, dev.gpus_per_node)
+
+
+def group_link(ranks: Any, dev: Device) -> tuple[float, float]:
+    """The link of a group given as an increasing rank sequence: inside a node iff its first and last rank are."""
+    return dev.link(node_of(ranks[0], dev) == node_of(ranks[-1], dev))
+
+
+def ring_time(kind: str, nbytes: float, ranks: list[int], dev: Device) -> float:
+    """``kind``: 'all_reduce' | 'all_gather' | 'reduce_scatter' | 'all_to_all' (``nbytes``: the full buffer of one
+    rank; all-gather: the gathered result)."""
+    n = len(ranks)
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    lat, bw = group_link(ranks, dev)
+    if kind == "all_reduce":
+        return 2 * (n - 1) * lat + 2 * (n - 1) / n * nbytes / bw
+    if kind in ("all_gather", "reduce_scatter"):
+        return (n - 1) * lat + (n - 1) / n * nbytes / bw
+    if kind == "all_to_all":
+        return (n - 1) * lat + (n - 1) / n * nbytes / bw
+    raise ValueError(kind)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# per-action costs
+# --------------------------------------------------------------------------------------------------------------
+@dataclass
+class ActionCosts:
+    f: list[float]          # per virtual stage: forward compute seconds per micro-batch
+    b: list[float]
+    f_comm: list[float]     # exposed in-action communication
+    b_comm: list[float]
+    msg_s: dict[int, tuple[float, float]]  # boundary -> (latency, transfer seconds) per message
+
+
+def layer_compute(cfg: Any, dev: Device, lay: Any, layer_times: Any, skew: float) -> tuple[list, list, list]:
+    """Per piece forward/backward seconds: ``(embed [f, b], layers [[f, b]], head [f, b])``."""
+    from parallel.pipeline.partition import embed_cost, head_cost, layer_cost
+
+    m = cfg.model
+    B, Tfull = lay.mbs, cfg.train.seq_len
+    T = Tfull // lay.cp
+    N = B * T
+    routed = 2.0 * m.num_experts_per_token * 3 * m.routed_expert_hidden_size * m.moe_intermediate_size
+    sk = 1.0 if (lay.moonep or lay.ep == 1) else skew
+    if layer_times is not None:
+        t = layer_times.layers(cfg, B, T, lay.ep)
+        layers = []
+        for i, (f, b) in enumerate(t["layers"]):
+            if m.is_moe_layer(i) and sk != 1.0:
+                share = routed / layer_cost(m, i, T)
+                f, b = f * (1 + (sk - 1) * share), b * (1 + (sk - 1) * share)
+            layers.append([f, b])
+        return list(t["embed"]), layers, list(t["head"])
+    rate = dev.flops()
+    s_eff = 2 * Tfull - T - 1 if lay.cp > 1 else Tfull  # MLA: mean context of the last CP rank
+    layers = []
+    for i in range(m.num_hidden_layers):
+        c = layer_cost(m, i, s_eff if m.layer_kind(i) == "mla" else T)
+        if m.is_moe_layer(i):
+            c += routed * (sk - 1)
+        layers.append([c * N / rate, 2 * c * N / rate])
+    e = embed_cost(m) * N / rate
+    h = head_cost(m, s_eff) * N / rate
+    return [e, 2 * e], layers, [h, 2 * h]
+
+
+def comm_per_layer(cfg: Any, dev: Device, lay: Any, skew: float) -> tuple[list[float], list[float]]:
+    """Per layer (forward, backward) exposed EP / KCP / MLA-CP seconds per micro-batch (module docstring)."""
+    m = cfg.model
+    es = 2 if cfg.train.dtype == "bfloat16" else 4
+    B, T = lay.mbs, cfg.train.seq_len // lay.cp
+    N = B * T
+    # ParallelDims' order: an EP group is ep consecutive ranks of one stage, a CP group cp consecutive ranks
+    ep_ranks, cp_ranks = range(lay.ep), range(lay.cp)
+    fw, bw = [], []
+    for i in range(m.num_hidden_layers):
+        f = b = 0.0
+        if lay.ep > 1 and m.is_moe_layer(i):
+            rows = N * m.num_experts_per_token
+            sk = 1.0 if lay.moonep else skew
+            a2a = ring_time("all_to_all", rows * m.routed_expert_hidden_size * es * sk, ep_ranks, dev)
+            f += 2 * a2a
+            b += 2 * a2a
+            if lay.moonep:
+                n_loc = m.num_experts // lay.ep
+                red = min(n_loc, math.ceil(max(0.0, skew - 1.0) * n_loc))
+                w = 3 * m.routed_expert_hidden_size * m.moe_intermediate_size
+                lat, bwid = group_link(ep_ranks, dev)
+                if red:
+                    f += lat + red * w * es / bwid
+                    b += lat + red * w * 4 / bwid
+                f += ring_time("all_gather", lay.ep * m.num_experts * 4, ep_ranks, dev)  # routing counts
+            f, b = f * (1 - dev.ep_overlap), b * (1 - dev.ep_overlap)
+        if lay.cp > 1:
+            if m.layer_kind(i) == "kda":
+                pairs = lay.cp * B * m.kda_num_heads * m.kda_head_dim * (2 * m.kda_head_dim) * 4
+                f += ring_time("all_gather", pairs, cp_ranks, dev)
+                b += ring_time("all_gather", pairs, cp_ranks, dev)
+            else:
+                lat_b = B * T * lay.cp * (m.kv_lora_rank + m.qk_rope_head_dim) * es
+                f += ring_time("all_gather", lat_b, cp_ranks, dev)
+                b += ring_time("reduce_scatter", lat_b, cp_ranks, dev)
+        fw.append(f)
+        bw.append(b)
+    return fw, bw
+
+
+_MEMO: dict[tuple, Any] = {}
+
+
+def _layer_terms(cfg: Any, dev: Device, lay: Any, layer_times: Any, skew: float) -> tuple:
+    """Memoised per-layer compute and communication of a layout's ``(mbs, cp, ep, moonep)``."""
+    key = (id(cfg.model), id(dev), id(layer_times), skew, lay.mbs, lay.cp, lay.ep, lay.moonep, cfg.train.seq_len,
+           cfg.train.dtype)
+    if key not in _MEMO:
+        _MEMO[key] = (layer_compute(cfg, dev, lay, layer_times, skew), comm_per_layer(cfg, dev, lay, skew),
+                      (cfg.model, dev, layer_times))  # keep the id()s alive
+    return _MEMO[key][:2]
+
+
+def action_costs(cfg: Any, dev: Device, lay: Any, part: Any, plan: Any, layer_times: Any,
+                 skew: float) -> ActionCosts:
+    import torch
+
+    from k3train.planning.memory import plan_bytes
+
+    (emb, layers, head), (cf, cb) = _layer_terms(cfg, dev, lay, layer_times, skew)
+    n = part.num_stages
+    f, b, fc, bc = [], [], [], []
+    for v in range(n):
+        s, e = part.bounds[v]
+        fv = sum(layers[i][0] for i in range(s, e)) + (emb[0] if v == 0 else 0) + (head[0] if v == n - 1 else 0)
+        bv = sum(layers[i][1] for i in range(s, e)) + (emb[1] if v == 0 else 0) + (head[1] if v == n - 1 else 0)
+        fcv, bcv = sum(cf[s:e]), sum(cb[s:e])
+        if lay.recompute:
+            bv, bcv = bv + fv, bcv + fcv
+        f.append(fv)
+        b.append(bv)
+        fc.append(fcv)
+        bc.append(bcv)
+    msg: dict[int, tuple[float, float]] = {}
+    if plan is not None:
+        dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32
+        T = cfg.train.seq_len // lay.cp
+        stride = lay.dp * lay.cp
+        for bd in range(n - 1):
+            nbytes = plan_bytes(plan, bd, lay.mbs, T, cfg.model.hidden_size, dtype)
+            src, dst = (bd % lay.pp) * stride, ((bd + 1) % lay.pp) * stride
+            lat, bwid = dev.link(node_of(src, dev) == node_of(dst, dev))
+            msg[bd] = (lat, nbytes / bwid)
+    return ActionCosts(f=f, b=b, f_comm=fc, b_comm=bc, msg_s=msg)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the schedule: execute the real programs
+# --------------------------------------------------------------------------------------------------------------
+@dataclass
+class SimOut:
+    makespan: float
+    end: list[float]                     # per rank: its last compute's end
+    busy_compute: list[float]            # elapsed seconds computing
+    busy_comm: list[float]               # elapsed seconds in in-action communication
+    chunk_done: list[dict[int, float]]   # per rank: chunk -> end of its last backward
+
+
+_PRE: dict[int, tuple[Any, list]] = {}
+
+
+def _precompiled(programs: list[list[Any]], pp: int, vpp: int) -> list[list[tuple]]:
+    """Per rank, the program as ``('recv',) | ('send', msg, dst) | ('comp', action, virtual stage, deps)``
+    (memoised per programs object: the planner reuses one per schedule, pp, vpp and micro-batch count)."""
+    from parallel.pipeline.schedules import deps_of
+
+    key = id(programs)
+    if key not in _PRE or _PRE[key][0] is not programs:
+        out = []
+        for r, prog in enumerate(programs):
+            rows: list[tuple] = []
+            for ins in prog:
+                if ins.op == "recv":
+                    rows.append(("recv",))
+                elif ins.op == "send":
+                    m = ins.msg
+                    rows.append(("send", m, (m.stage + 1) % pp if m.kind == "act" else m.stage % pp))
+                else:
+                    a = ins.action
+                    rows.append(("comp", a, a.chunk * pp + r, tuple(deps_of(a, r, pp, vpp))))
+            out.append(rows)
+        _PRE[key] = (programs, out)
+    return _PRE[key][1]
+
+
+def simulate_programs(programs: list[list[Any]], pp: int, vpp: int, costs: ActionCosts, replicas: int,
+                      cores: int, threads: int) -> SimOut:
+    """Event-driven run of every pipeline rank's program (module docstring). ``replicas``: ranks doing the same
+    work at the same time (dp x cp); with ``cores`` > 0 all busy ranks share them."""
+    progs = _precompiled(programs, pp, vpp)
+    inf = float("inf")
+    pos = [0] * pp
+    arrival: dict[Any, float] = {}
+    link_free: dict[tuple[int, int], float] = {}
+    rem = [0.0] * pp          # remaining work (seconds at full speed) of the running compute
+    frac = [0.0] * pp         # communication share of the running compute
+    running: list[Any] = [None] * pp
+    wait: list[tuple] = [()] * pp  # deps of the compute a rank is blocked on
+    t = 0.0
+    end = [0.0] * pp
+    bc, bm = [0.0] * pp, [0.0] * pp
+    chunk_done: list[dict[int, float]] = [{} for _ in range(pp)]
+    done = [False] * pp
+
+    def advance(r: int) -> None:
+        prog = progs[r]
+        wait[r] = ()
+        while pos[r] < len(prog):
+            ins = prog[pos[r]]
+            if ins[0] == "recv":
+                pos[r] += 1
+            elif ins[0] == "send":
+                msg, dst = ins[1], ins[2]
+                lat, xfer = costs.msg_s.get(msg.stage, (0.0, 0.0))
+                k = (r, dst)
+                start = max(t, link_free.get(k, 0.0))
+                link_free[k] = start + xfer
+                arrival[msg] = start + xfer + lat
+                pos[r] += 1
+            else:
+                a, v, deps = ins[1], ins[2], ins[3]
+                if any(arrival.get(d, inf) > t + 1e-15 for d in deps):
+                    wait[r] = deps
+                    return
+                comp, comm = (costs.f[v], costs.f_comm[v]) if a.kind == "F" else (costs.b[v], costs.b_comm[v])
+                rem[r] = comp + comm
+                frac[r] = comm / (comp + comm) if comp + comm > 0 else 0.0
+                running[r] = a
+                pos[r] += 1
+                return
+        done[r] = True
+
+    def settle() -> None:
+        """Advance every idle rank until none moves (a send may unblock a rank checked before it)."""
+        moved = True
+        while moved:
+            moved = False
+            for r in range(pp):
+                if not done[r] and running[r] is None:
+                    before = pos[r]
+                    advance(r)
+                    moved = moved or pos[r] != before or done[r]
+
+    settle()
+    while not all(done):
+        busy = [r for r in range(pp) if running[r] is not None]
+        rate = 1.0
+        if cores > 0 and busy:
+            rate = min(1.0, cores / (threads * len(busy) * replicas))
+        t_next = min((t + rem[r] / rate for r in busy), default=inf)
+        for r in range(pp):
+            if wait[r]:
+                w = max(arrival.get(d, inf) for d in wait[r])
+                if t < w < t_next:
+                    t_next = w
+        if t_next == inf:
+            raise RuntimeError("pipeline programs deadlock in the simulation")
+        dt = t_next - t
+        for r in busy:
+            rem[r] -= dt * rate
+            bc[r] += dt * (1 - frac[r])
+            bm[r] += dt * frac[r]
+        t = t_next
+        for r in busy:
+            if rem[r] <= 1e-12 * max(1.0, t):
+                a = running[r]
+                running[r] = None
+                end[r] = t
+                if a.kind == "B":
+                    chunk_done[r][a.chunk] = t
+        settle()
+    return SimOut(makespan=max(end), end=end, busy_compute=bc, busy_comm=bm, chunk_done=chunk_done)
+
+
+def single_program(M: int) -> list[Any]:
+    from parallel.pipeline.p2p import Instr
+    from parallel.pipeline.schedules import Action
+
+    return [Instr("compute", action=Action(k, 0, m)) for m in range(M) for k in "FB"]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the whole step
+# --------------------------------------------------------------------------------------------------------------
+def optimizer_seconds(facts: ParamFacts, cfg: Any, dev: Device, part: Any, r: int, lay: Any,
+                      opt_times: dict[str, float] | None) -> float:
+    """The worst rank of pipeline stage ``r``: its owned share (at least the largest parameter) of the update."""
+    key = ("opt", id(facts), id(dev), id(opt_times))
+    if key not in _MEMO:
+        _MEMO[key] = (_opt_pieces(facts, cfg, dev, opt_times), (facts, dev, opt_times))
+    per = _MEMO[key][0]
+    dpcp, edp = lay.dp * lay.cp, max(1, lay.dp * lay.cp // lay.ep)
+    dense = expert = biggest = 0.0
+    for k in facts.stage_keys(part, r):
+        d_s, e_s, big = per.get(k, (0.0, 0.0, 0.0))
+        dense, expert, biggest = dense + d_s, expert + e_s / lay.ep, max(biggest, big)
+    if lay.zero == 0:
+        return dense + expert
+    return max(dense / dpcp, biggest) + expert / edp
+
+
+def _opt_pieces(facts: ParamFacts, cfg: Any, dev: Device, opt_times: dict[str, float] | None) -> dict:
+    """Per piece: ``(dense update seconds, routed-expert seconds of the whole stack, largest dense update)``;
+    measured per parameter on cpu (expert shards: 1/ep of the stack's time), else Newton-Schulz FLOPs at the
+    achievable FLOP/s + ~7 fp32 accesses per element (param, grad, state(s) read and written) at HBM speed."""
+    from k3train.optim.newton_schulz import ns_flops
+    from moonep.shard import is_expert_param
+
+    out: dict[Any, list[float]] = {}
+    for inf in facts.infos:
+        ex = is_expert_param(inf.param)
+        if opt_times is not None:
+            from k3train.planning.layer_bench import opt_sig
+
+            s = opt_times[opt_sig(inf)]
+        else:
+            ns = sum(ns_flops(sh, cfg.optim.ns_steps) for sh in inf.ns_shapes())
+            s = ns / dev.flops() + inf.numel * 4 * 7 / (dev.hbm_bw * dev.hbm_eff)
+        p = out.setdefault(facts.piece_of[inf.fqn], [0.0, 0.0, 0.0])
+        if ex:
+            p[1] += s
+        else:
+            p[0] += s
+            p[2] = max(p[2], s)
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def predict(cfg: Any, lay: Any, part: Any, programs: list[list[Any]], dev: Device, facts: ParamFacts,
+            layer_times: Any = None, skew: float = 1.5, opt_times: dict[str, float] | None = None) -> Prediction:
+    """Predicted seconds of one optimizer step of ``cfg`` under layout ``lay`` (module docstring)."""
+    from parallel.pipeline.attnres_comm import AttnResCommPlan
+
+    plan = AttnResCommPlan(part, cfg.parallel.attnres_comm) if lay.pp > 1 else None
+    costs = action_costs(cfg, dev, lay, part, plan, layer_times, skew)
+    dpcp = lay.dp * lay.cp
+    sim = simulate_programs(programs, lay.pp, part.vpp, costs, dpcp, dev.cores if dev.is_cpu else 0, dev.threads)
+    es = 2 if cfg.train.dtype == "bfloat16" else 4
+    finish, opt, bcast = [], [], []
+    for r in range(lay.pp):
+        d, e, _ = facts.stage_numel(part, r, lay.ep)
+        # ParallelDims' groups of rank (r, 0, 0): dp_cp = the stage's dp*cp consecutive ranks, edp = every ep-th
+        dg = range(r * dpcp, (r + 1) * dpcp)
+        eg = range(r * dpcp, (r + 1) * dpcp, lay.ep)
+        if lay.zero == 2:  # per chunk at its last backward, one link, overlapping the rest
+            t_link = 0.0
+            share = {c: 0.0 for c in range(part.vpp)}
+            for c, (s, e_) in enumerate(part.local_chunks(r)):
+                share[c] = (e_ - s) / max(1, sum(b - a for a, b in part.local_chunks(r)))
+            for c in sorted(sim.chunk_done[r], key=lambda c: sim.chunk_done[r][c]):
+                dur = (ring_time("reduce_scatter", d * es * share[c], dg, dev)
+                       + ring_time("reduce_scatter", e * es * share[c], eg, dev))
+                t_link = max(t_link, sim.chunk_done[r][c]) + dur
+            finish.append(max(sim.end[r], t_link))
+        else:
+            finish.append(sim.end[r] + ring_time("all_reduce", d * es, dg, dev) + ring_time("all_reduce", e * es, eg, dev))
+        opt.append(optimizer_seconds(facts, cfg, dev, part, r, lay, opt_times))
+        bcast.append(0.0 if lay.zero == 0 else
+                     ring_time("all_gather", d * es, dg, dev) + ring_time("all_gather", e * es, eg, dev))
+    # per-step small collectives: loss sums, grad norm (dp_cp + pp), QB histograms per MoE layer, QK-clip max
+    lat_all, _ = group_link(range(lay.pp * dpcp), dev)
+    n_moe = sum(1 for i in range(cfg.model.num_hidden_layers) if cfg.model.is_moe_layer(i))
+    fixed = (6 + n_moe / lay.pp) * 2 * max(1, math.ceil(math.log2(max(2, lay.pp * dpcp)))) * lat_all
+    # the breakdown is the bottleneck's: the pipeline rank with the most work (its idle time is the bubble)
+    crit = max(range(lay.pp), key=lambda r: (sim.busy_compute[r] + sim.busy_comm[r], finish[r]))
+    step = max(finish) + max(opt) + max(bcast) + fixed
+    compute = sim.busy_compute[crit]
+    in_action = sim.busy_comm[crit]
+    bubble = max(0.0, sim.makespan - compute - in_action)
+    optimizer = max(opt)
+    exposed = max(0.0, step - compute - bubble - optimizer)
+    return Prediction(step_s=step, compute=compute, exposed_comm=exposed, bubble=bubble, optimizer=optimizer,
+                      detail={"pipeline_s": sim.makespan, "in_action_comm_s": in_action,
+                              "dp_reduce_s": max(finish) - sim.makespan, "param_bcast_s": max(bcast),
+                              "fixed_collectives_s": fixed, "critical_pp_rank": crit,
+                              "stage_f_s": costs.f, "stage_b_s": costs.b})
+
+
+def compute_lower_bound(cfg: Any, lay: Any, part: Any, dev: Device, facts: ParamFacts, layer_times: Any,
+                        skew: float, opt_times: dict[str, float] | None) -> float:
+    """A lower bound on :func:`predict`: the busiest pipeline rank's own work (at the best rate its replicas
+    allow) or one micro-batch's forward + backward chain through all virtual stages, whichever is longer, plus
+    the worst stage's optimizer share. Used to skip simulating layouts that cannot make the top."""
+    from parallel.pipeline.attnres_comm import AttnResCommPlan
+
+    M = cfg.train.grad_accum_steps
+    # memoised: the busy part does not depend on zero, the optimizer part not on the micro-batch shape
+    kb = ("lb", id(part), lay.mbs, lay.cp, lay.ep, lay.moonep, lay.recompute, M, id(dev), id(layer_times), skew)
+    if kb not in _MEMO:
+        plan = AttnResCommPlan(part, cfg.parallel.attnres_comm) if lay.pp > 1 else None
+        c = action_costs(cfg, dev, lay, part, plan, layer_times, skew)
+        busy = max(sum(c.f[v] + c.b[v] + c.f_comm[v] + c.b_comm[v] for v in part.local_stages(r)) * M
+                   for r in range(lay.pp))
+        # one micro-batch's forward through every virtual stage and its backward back are a dependency chain
+        chain = sum(c.f[v] + c.b[v] + c.f_comm[v] + c.b_comm[v] for v in range(part.num_stages))
+        _MEMO[kb] = (busy, chain, part)
+    ko = ("lbo", id(part), lay.ep, lay.zero, lay.dp * lay.cp, id(facts), id(dev), id(opt_times))
+    if ko not in _MEMO:
+        _MEMO[ko] = (max(optimizer_seconds(facts, cfg, dev, part, r, lay, opt_times) for r in range(lay.pp)), part)
+    rate = min(1.0, dev.cores / (dev.threads * lay.dp * lay.cp)) if dev.is_cpu and dev.cores else 1.0
+    busy, chain, _ = _MEMO[kb]
+    return max(busy / rate, chain) + _MEMO[ko][0]

@@ -1,0 +1,264 @@
+"""Per-rank p2p *programs* (the order of computes, sends and receives of one step) and their static checks.
+
+Transport model the order must satisfy (the strictest of the ones we run on): the p2p operations between two
+ranks are matched in the order each end posts them (NCCL: one stream per rank pair, both directions; gloo
+matches by tag and does not care), an operation completes once both ends posted it and every earlier operation
+of the pair completed, and a rank's host blocks only (a) before a compute, on the receives it consumes, and
+(b) before a compute, on its sends posted two computes earlier (``P2PTransport.complete_sends``). So the
+sequence of p2p operations of every rank pair must be identical on both ends, and the whole must not deadlock
+under that model; :func:`run_programs` executes the programs under it (or under tag matching) without tensors.
+
+Two orders (``build_programs(..., post_ahead=)``):
+
+* by time (``post_ahead=False``, the original rule): :func:`schedules.simulate` gives every message the time its
+  sender finishes; BOTH ends post their side at that time (ties by message key). Both ends then see the same
+  pair sequence, but a receive is posted only once its data would be ready, so most receives sit right before
+  the compute that consumes them and the transfer lies on the critical path.
+* posted ahead (default): every receive is posted before the compute *preceding* its consumer (one compute
+  ahead, as Megatron's overlapped p2p), every send right after the compute producing it. Between two ranks the
+  messages of each direction keep their production order, and the two directions are merged greedily: at each
+  step the head whose placement keeps both heads' receives ahead (and delays no send) goes first. Where the two
+  ends' wishes conflict (rank a wants the receive of y before the compute that produces x, rank b the receive of
+  x before the compute that produces y: inherent in 1F1B, whose alternating F/B exchanges both directions
+  between the same computes) one receive is posted later, at the latest right before its consumer, so the pair
+  sequences stay identical and deadlock-free. :func:`recv_lead` counts how many receives are ahead.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from parallel.pipeline.placement import Placement
+from parallel.pipeline.schedules import Action, Message, SimResult, deps_of, message_route, produces, simulate
+
+
+@dataclass(frozen=True)
+class Instr:
+    """One step of a rank's program: ``op`` = 'compute' (``action``), 'send' or 'recv' (``msg``)."""
+
+    op: str
+    action: Action | None = None
+    msg: Message | None = None
+
+    def __repr__(self) -> str:
+        return f"{self.op}({self.action if self.action is not None else self.msg})"
+
+
+def _msg_key(m: Message) -> tuple[int, int, int]:
+    return (0 if m.kind == "act" else 1, m.stage, m.mb)
+
+
+def build_programs(sched: list[list[Action]], pp: int, vpp: int, sim: SimResult | None = None,
+                   post_ahead: bool = True) -> list[list[Instr]]:
+    """Per pipeline rank, the ordered instructions (compute / send / recv) of one step (see module docstring).
+    ``sim``: the schedule's simulation (computed if omitted); ``post_ahead``: receives one compute ahead."""
+    placement = Placement.of(pp, vpp)
+    sim = sim or simulate(sched, pp, vpp)
+    if post_ahead:
+        return _programs_posted_ahead(sched, placement, sim)
+    return _programs_by_time(sched, placement, sim)
+
+
+def _programs_by_time(sched: list[list[Action]], pl: Placement, sim: SimResult) -> list[list[Instr]]:
+    programs: list[list[Instr]] = []
+    for r in range(pl.pp):
+        items: list[tuple[tuple, Instr]] = []
+        for i, a in enumerate(sched[r]):
+            # a compute sorts after every p2p post that becomes ready at or before its start
+            items.append(((sim.start[r][i], 1, i), Instr("compute", action=a)))
+            for msg in produces(a, r, pl.pp, pl.vpp):
+                items.append(((sim.ready[msg], 0) + _msg_key(msg), Instr("send", msg=msg)))
+        for msg, t in sim.ready.items():
+            if message_route(msg, pl)[1] == r:
+                items.append(((t, 0) + _msg_key(msg), Instr("recv", msg=msg)))
+        items.sort(key=lambda x: x[0])
+        programs.append([ins for _, ins in items])
+    return programs
+
+
+def _programs_posted_ahead(sched: list[list[Action]], pl: Placement, sim: SimResult) -> list[list[Instr]]:
+    pp, vpp = pl.pp, pl.vpp
+    # gap g of a rank: the slot right before its compute g (g = len: after the last compute)
+    send_gap: dict[Message, int] = {}  # the gap right after the producing compute (sender)
+    consumer: dict[Message, int] = {}  # index of the consuming compute (receiver)
+    for r, acts in enumerate(sched):
+        for i, a in enumerate(acts):
+            for m in produces(a, r, pp, vpp):
+                send_gap[m] = i + 1
+            for m in deps_of(a, r, pp, vpp):
+                consumer[m] = i
+    route = {m: message_route(m, pl) for m in send_gap}
+    gap: dict[tuple[Message, str], int] = {}  # (msg, 'send'|'recv') -> gap on that end
+    pos: dict[Message, int] = {}  # position in its rank pair's sequence
+    for a in range(pp):
+        for b in range(a + 1, pp):
+            queues = [sorted((m for m in send_gap if route[m] == (s, d)),
+                             key=lambda m: (send_gap[m], sim.ready[m], _msg_key(m))) for s, d in ((a, b), (b, a))]
+            floor = {a: 0, b: 0}  # gap of the pair's latest placed operation on each end
+
+            def place(m: Message, fl: dict[int, int]) -> tuple[int, int, int, int]:
+                """(send gap, recv gap, missed, delayed) of ``m`` placed next after floors ``fl``."""
+                s, d = route[m]
+                sg = max(send_gap[m], fl[s])
+                want = max(consumer[m] - 1, 0)
+                rg = max(want, fl[d])
+                return sg, rg, int(rg > want), int(sg > send_gap[m])
+
+            def score(first: Message, then: Message) -> tuple:
+                fl = dict(floor)
+                total = [0, 0]
+                for m in (first, then):
+                    sg, rg, missed, delayed = place(m, fl)
+                    if rg > consumer[m]:
+                        return (1,)  # infeasible: the receive would come after its consumer
+                    s, d = route[m]
+                    fl[s], fl[d] = sg, rg
+                    total[0] += missed
+                    total[1] += delayed
+                return (0, *total, sim.ready[first], _msg_key(first))
+
+            heads, n = [0, 0], 0
+            while heads[0] < len(queues[0]) or heads[1] < len(queues[1]):
+                if heads[0] == len(queues[0]) or heads[1] == len(queues[1]):
+                    k = 0 if heads[0] < len(queues[0]) else 1
+                else:
+                    x, y = queues[0][heads[0]], queues[1][heads[1]]
+                    k = 0 if score(x, y) <= score(y, x) else 1
+                m = queues[k][heads[k]]
+                heads[k] += 1
+                sg, rg, _, _ = place(m, floor)
+                if rg > consumer[m]:
+                    raise RuntimeError(f"p2p order: no position for the receive of {m} (pair {a}, {b})")
+                s, d = route[m]
+                floor[s], floor[d] = sg, rg
+                gap[(m, "send")], gap[(m, "recv")], pos[m] = sg, rg, n
+                n += 1
+    programs: list[list[Instr]] = []
+    for r in range(pp):
+        items: list[tuple[tuple, Instr]] = [((i, 1, 0, 0), Instr("compute", action=a))
+                                            for i, a in enumerate(sched[r])]
+        for m, (s, d) in route.items():
+            if r in (s, d):
+                op = "send" if r == s else "recv"
+                items.append(((gap[(m, op)], 0, pos[m], d if r == s else s), Instr(op, msg=m)))
+        items.sort(key=lambda x: x[0])
+        programs.append([ins for _, ins in items])
+    return programs
+
+
+def check_programs(programs: list[list[Instr]], pp: int, vpp: int) -> None:
+    """Static checks (no processes): for every ordered rank pair the send sequence equals the receive sequence,
+    every receive is posted before the compute that needs it, and every send after the compute producing it."""
+    pl = Placement.of(pp, vpp)
+    for r, prog in enumerate(programs):
+        posted: set[Message] = set()
+        done: set[Message] = set()  # messages whose producing compute ran on this rank
+        for ins in prog:
+            if ins.op == "recv":
+                posted.add(ins.msg)
+            elif ins.op == "send":
+                if ins.msg not in done:
+                    raise AssertionError(f"rank {r}: send {ins.msg} before the compute producing it")
+            else:
+                for d in deps_of(ins.action, r, pp, vpp):
+                    if d not in posted:
+                        raise AssertionError(f"rank {r}: {ins.action} runs before receiving {d}")
+                done.update(produces(ins.action, r, pp, vpp))
+    for src in range(pp):
+        for dst in range(pp):
+            sends = [i.msg for i in programs[src] if i.op == "send" and message_route(i.msg, pl)[1] == dst]
+            recvs = [i.msg for i in programs[dst] if i.op == "recv" and message_route(i.msg, pl)[0] == src]
+            if sends != recvs:
+                raise AssertionError(f"p2p order mismatch {src}->{dst}: sends {sends[:6]}... recvs {recvs[:6]}...")
+    # the pair's combined op sequence (both directions) must agree too (single-stream transports such as NCCL)
+    for a in range(pp):
+        for b in range(a + 1, pp):
+            if _pair_seq(programs, pl, a, b) != _pair_seq(programs, pl, b, a):
+                raise AssertionError(f"p2p op order on pair ({a}, {b}) differs between the two ends")
+
+
+def _pair_seq(programs: list[list[Instr]], pl: Placement, r: int, peer: int) -> list[Message]:
+    return [i.msg for i in programs[r] if i.op != "compute" and set(message_route(i.msg, pl)) == {r, peer}]
+
+
+def run_programs(programs: list[list[Instr]], pp: int, vpp: int, ordered: bool = True) -> None:
+    """Execute the programs under the transport model of the module docstring (``ordered``: pair operations
+    complete in posting order, as on NCCL; otherwise matched by tag, as on gloo), without tensors. Raises
+    RuntimeError on deadlock, naming what every blocked rank waits for."""
+    pl = Placement.of(pp, vpp)
+    pair_of = {}
+    seqs: dict[tuple[int, int], list[Message]] = {}
+    for a in range(pp):
+        for b in range(a + 1, pp):
+            seqs[(a, b)] = _pair_seq(programs, pl, a, b)
+            for m in seqs[(a, b)]:
+                pair_of[m] = (a, b)
+    done_upto = dict.fromkeys(seqs, 0)
+    sent: set[Message] = set()
+    received: set[Message] = set()
+    complete: set[Message] = set()
+
+    def progress_pair(m: Message) -> None:
+        if not ordered:
+            if m in sent and m in received:
+                complete.add(m)
+            return
+        key = pair_of[m]
+        seq, i = seqs[key], done_upto[key]
+        while i < len(seq) and seq[i] in sent and seq[i] in received:
+            complete.add(seq[i])
+            i += 1
+        done_upto[key] = i
+
+    pc, computed = [0] * pp, [0] * pp
+    pending: list[list[tuple[int, Message]]] = [[] for _ in range(pp)]  # (computes before the post, msg)
+    while True:
+        moved = False
+        for r in range(pp):
+            prog = programs[r]
+            while pc[r] < len(prog):
+                ins = prog[pc[r]]
+                if ins.op == "recv":
+                    received.add(ins.msg)
+                    progress_pair(ins.msg)
+                elif ins.op == "send":
+                    sent.add(ins.msg)
+                    pending[r].append((computed[r], ins.msg))
+                    progress_pair(ins.msg)
+                else:
+                    pending[r] = [(g, m) for g, m in pending[r] if m not in complete]
+                    need = [m for g, m in pending[r] if g <= computed[r] - 1]
+                    need += [m for m in deps_of(ins.action, r, pp, vpp) if m not in complete]
+                    if need:
+                        break
+                    computed[r] += 1
+                pc[r] += 1
+                moved = True
+        if all(pc[r] == len(programs[r]) for r in range(pp)):
+            left = [m for m in pair_of if m not in complete]
+            if left:
+                raise RuntimeError(f"p2p programs deadlock at the end of the step: incomplete {left[:6]}")
+            return
+        if not moved:
+            waits = {r: (programs[r][pc[r]], [m for g, m in pending[r] if g <= computed[r] - 1],
+                         [m for m in deps_of(programs[r][pc[r]].action, r, pp, vpp) if m not in complete])
+                     for r in range(pp) if pc[r] < len(programs[r])}
+            raise RuntimeError(f"p2p programs deadlock; blocked ranks (instr, sends, receives): {waits}")
+
+
+def recv_lead(programs: list[list[Instr]], pp: int, vpp: int) -> tuple[int, int]:
+    """``(ahead, total)``: receives posted at least one compute before the compute consuming them, out of the
+    receives that can be (those not consumed by their rank's first compute)."""
+    ahead = total = 0
+    for r, prog in enumerate(programs):
+        posted_at: dict[Message, int] = {}
+        n = 0
+        for ins in prog:
+            if ins.op == "recv":
+                posted_at[ins.msg] = n
+            elif ins.op == "compute":
+                for m in deps_of(ins.action, r, pp, vpp):
+                    if n > 0:
+                        total += 1
+                        ahead += int(posted_at[m] < n)
+                n += 1
+    return ahead, total

@@ -1,0 +1,147 @@
+"""tools/plan.py and k3train/planning/{layouts,step_time,plan}.py: the enumeration against a brute force and the
+real validation, memory filtering against estimate(), one prediction against a real torchrun run, bad input."""
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = str(ROOT / "configs" / "tiny.yaml")
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(WANDB_MODE="disabled", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    return env
+
+
+def test_enumeration_is_exactly_the_valid_layouts():
+    from k3train.config import load_config
+    from k3train.planning.layouts import Validator, canonical, enumerate_layouts
+    from k3train.preflight import validate_run
+
+    W = 2
+    listed, _ = enumerate_layouts(TINY, [], W)
+    got = {lay for lay, _ in listed}
+    assert len(got) == len(listed) > 50
+    # brute force: every value of every dimension (sizes up to W+1, every vpp / micro-batch up to their maxima)
+    base = load_config(TINY, [])
+    v = Validator(base, W)
+    want = set()
+    for pp, dp, cp, ep in itertools.product(range(1, W + 2), repeat=4):
+        if pp * dp * cp != W:  # rejected by Config.validate's first layout check (asserted below)
+            continue
+        for vpp, mbs, sched, zero, moonep, rc in itertools.product(
+                range(1, 6), range(1, base.train.global_batch_size + 1),  # vpp > 4 never fits 8 layers at pp=2
+                ("auto", "1f1b", "interleaved", "afab"), (0, 1, 2), (False, True), (False, True)):
+            try:
+                cfg = v.check(dict(pp=pp, vpp=vpp, dp=dp, cp=cp, ep=ep, mbs=mbs, schedule=sched, zero=zero,
+                                   moonep=moonep, recompute=rc))
+            except ValueError:  # ConfigError / ParallelConfigError
+                continue
+            want.add(canonical(cfg))
+    with pytest.raises(ValueError):
+        v.check(dict(pp=1, dp=1, cp=1))
+    assert got == want
+    # every listed layout passes the real run validation, spelled as its command-line overrides
+    for lay in sorted(got)[:: max(1, len(got) // 60)]:
+        cfg = validate_run(TINY, lay.overrides(), W, for_training=False)
+        assert canonical(cfg) == lay
+    # pinning a dimension on the command line restricts the enumeration to it
+    pinned, _ = enumerate_layouts(TINY, ["--parallel.pp=2", "--parallel.zero=1"], W)
+    assert pinned and {lay for lay, _ in pinned} == {x for x in got if x.pp == 2 and x.zero == 1}
+
+
+# one layout at world 2 (dp=2), every dimension pinned; planned once (calibration + one memory trace)
+PIN = ["--parallel.pp=1", "--parallel.dp=2", "--parallel.ep=1", "--parallel.zero=1", "--parallel.recompute=false",
+       "--train.micro_batch_size=2"]
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    from k3train.planning.devices import get_device
+    from k3train.planning.layer_bench import LayerTimes
+    from k3train.planning.plan import EstimateCache, Planner
+
+    cal = tmp_path_factory.mktemp("cal") / "cpu.json"
+    dev = get_device("cpu", 2, [], str(cal), log=lambda *a: None)
+    lt = LayerTimes(cal, dev.threads, log=lambda *a: None)
+    cache = EstimateCache()
+    res = Planner(TINY, PIN, 2, dev, exhaustive=True, layer_times=lt, log=lambda *a: None, cache=cache).run()
+    return dev, lt, cache, res
+
+
+def test_memory_filter_matches_estimate(planned):
+    from dataclasses import replace
+
+    from k3train.planning.plan import EstimateCache, Planner
+
+    dev, lt, cache, res = planned
+    (row,) = res.rows
+    assert row.peak_bytes and row.pred and row.fits
+    # peak_bytes is estimate()'s worst rank (both ranks traced); fits is peak <= device memory
+    est = cache.results[row.layout]
+    assert len(est.ranks) == 2 and row.peak_bytes == max(x.peak for x in est.ranks)
+    assert row.mem_bound <= row.peak_bytes  # the static bound is a lower bound of the estimate
+    # a device of exactly the peak keeps the layout, one byte less drops it (from the same estimate)
+    for hbm, fits in ((row.peak_bytes, True), (row.peak_bytes - 1, False)):
+        r2 = Planner(TINY, PIN, 2, replace(dev, hbm_bytes=hbm), exhaustive=True, layer_times=lt,
+                     log=lambda *a: None, cache=cache).run()
+        assert [x.fits for x in r2.rows] == [fits] and len(r2.ranked()) == int(fits)
+    # a device smaller than weights + optimizer state: dropped on the bound, without a trace
+    tiny_dev = replace(dev, hbm_bytes=row.mem_bound / 2)
+    res3 = Planner(TINY, PIN, 2, tiny_dev, layer_times=lt, log=lambda *a: None, cache=EstimateCache()).run()
+    assert all(r.fits is False and r.skipped == "bound" and r.peak_bytes is None for r in res3.rows)
+    assert res3.ranked() == []
+
+
+def test_predicted_step_time_near_measured(planned):
+    from k3train.planning.plan import measure_step_time
+
+    dev, _, _, res = planned
+    (row,) = res.rows
+    p = row.pred
+    assert p.step_s > 0 and min(p.breakdown().values()) >= 0
+    assert abs(sum(p.breakdown().values()) - p.step_s) <= 1e-9 * p.step_s
+    measured = measure_step_time(TINY, PIN + row.layout.overrides(), 2, steps=3, threads=dev.threads)
+    assert 0.5 < p.step_s / measured < 2.0, (p.step_s, measured, p.breakdown())
+
+
+def test_program_simulation_matches_the_schedule_simulator():
+    # equal stages, no communication: executing the real per-rank programs gives the makespan of
+    # parallel.pipeline.schedules.simulate (the bubble comes from the schedule itself)
+    from parallel.pipeline.p2p import build_programs
+    from parallel.pipeline.schedules import build_schedule, simulate
+    from k3train.planning.step_time import ActionCosts, simulate_programs
+
+    for sched, pp, vpp, M in (("1f1b", 4, 1, 8), ("interleaved", 4, 2, 8), ("afab", 2, 2, 4)):
+        s = build_schedule(sched, pp, vpp, M)
+        n = pp * vpp
+        costs = ActionCosts(f=[1.0] * n, b=[2.0] * n, f_comm=[0.0] * n, b_comm=[0.0] * n, msg_s={})
+        out = simulate_programs(build_programs(s, pp, vpp), pp, vpp, costs, 1, 0, 1)
+        assert out.makespan == pytest.approx(simulate(s, pp, vpp, 1.0, 2.0).makespan)
+    # no pipeline: two data-parallel replicas sharing one core run at half speed
+    from k3train.planning.step_time import single_program
+
+    one = ActionCosts(f=[1.0], b=[2.0], f_comm=[0.0], b_comm=[0.0], msg_s={})
+    assert simulate_programs([single_program(4)], 1, 1, one, 1, 1, 1).makespan == pytest.approx(12.0)
+    assert simulate_programs([single_program(4)], 1, 1, one, 2, 1, 1).makespan == pytest.approx(24.0)
+
+
+@pytest.mark.parametrize("args", [
+    ["--world-size", "3", "--parallel.pp=2"],              # no layout divides the world
+    ["--world-size", "2", "--device", "tpu9"],             # unknown device
+    ["--world-size", "2", "--device-field", "hbm=1"],      # unknown device field
+    ["--world-size", "2", "--parallel.zero=7"],            # a bad pinned value
+])
+def test_bad_input_is_one_line_exit_2(args):
+    p = subprocess.run([sys.executable, str(ROOT / "tools" / "plan.py"), "--config", TINY, *args], cwd=ROOT,
+                       env=_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stderr[-2000:]
+    err = p.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("k3train: error:"), p.stderr

@@ -1,0 +1,224 @@
+"""Benchmark Block AttnRes against the standard PreNorm residual (``model.residual``): step time and saved bytes.
+
+    .venv/bin/python tools/bench_attnres.py                                   # configs/small.yaml, both layouts
+    .venv/bin/python tools/bench_attnres.py --bytes-only                      # only the (deterministic) bytes
+    .venv/bin/python tools/bench_attnres.py --layouts single --steps 5 --train.seq_len=512
+
+For each residual (attnres, standard), layout (``single``: one process; ``pp2vpp2``: two gloo processes, pp=2 x
+vpp=2, interleaved 1F1B) and ``parallel.recompute`` (off, on; ``model.attn_res_recompute`` as the config sets it),
+one step's micro-batches (``global_batch_size / micro_batch_size``, synthetic tokens with EOS every ~60 tokens)
+run through the trainer's own step runner (``parallel.pipeline.build_step_runner``: LocalRunner / PipelineRunner)
+on CPU:
+
+* step time: median over ``--steps`` forward+backward steps after ``--warmup`` (slowest rank); the AttnRes
+  overhead is ``attnres / standard - 1`` (K3 report: < 4% under PP; goal here <= 5%). Timings need an idle machine.
+* saved bytes per micro-batch: storage bytes a micro-batch's forward leaves alive for its backward, booked by
+  :class:`k3train.planning.live_bytes.LiveBytes` (the counter the memory estimator and ``tools/memory.py
+  --measure`` use) -- live bytes after minus before each forward (each of the rank's chunks of micro-batch 0 in
+  the pipeline, summed; the most loaded rank). Deterministic: storage sizes, no allocator.
+* activation peak: the step's peak of live bytes above the bytes alive at its start (params, grads), worst rank:
+  in the pipeline this includes every in-flight micro-batch, the AttnRes block cache and the p2p buffers.
+
+Any ``--section.key=value`` is passed to the config (e.g. a smaller ``--train.seq_len`` for a quick look).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from k3train.config import load_config  # noqa: E402
+from k3train.data.batch import Batch  # noqa: E402
+from k3train.planning.live_bytes import LiveBytes  # noqa: E402
+from parallel.dims import ParallelDims  # noqa: E402
+from parallel.pipeline import LossNorm, build_step_runner  # noqa: E402
+from parallel.pipeline.partition import build_partition  # noqa: E402
+
+LAYOUTS = {"single": (1, 1), "pp2vpp2": (2, 2)}
+RESIDUALS = ("attnres", "standard")
+
+
+def make_cfg(config: str, residual: str, pp: int, vpp: int, recompute: bool, overrides: list[str]) -> Any:
+    ov = [*overrides, f"--model.residual={residual}", f"--parallel.pp={pp}", f"--parallel.vpp={vpp}",
+          f"--parallel.recompute={str(recompute).lower()}", "--parallel.dp=1", "--train.device=cpu"]
+    return load_config(config, ov, world_size=pp)
+
+
+def micro_batches(cfg: Any, seed: int = 0) -> list[Batch]:
+    """One step's micro-batches: random tokens, an EOS about every 60 tokens (several documents per row)."""
+    g = torch.Generator().manual_seed(seed)
+    mbs, T, V, eos = cfg.train.micro_batch_size, cfg.train.seq_len, cfg.model.vocab_size, cfg.model.eos_token_id
+    out = []
+    for _ in range(cfg.train.global_batch_size // mbs):
+        s = torch.randint(3, V, (mbs, T + 1), generator=g)
+        s[torch.rand(s.shape, generator=g) < 1 / 60] = eos
+        out.append(Batch.from_samples(s, eos_id=eos))
+    return out
+
+
+class _Saved:
+    """Live bytes a forward leaves behind: ``begin()`` before it, ``end()`` after (summed per micro-batch)."""
+
+    def __init__(self, lb: LiveBytes) -> None:
+        self.lb, self.by_mb, self._start = lb, {}, 0
+
+    def begin(self) -> None:
+        self._start = self.lb.live
+
+    def end(self, mb: int) -> None:
+        self.by_mb[mb] = self.by_mb.get(mb, 0) + self.lb.live - self._start
+
+
+def _instrument(runner: Any, saved: _Saved, norm: LossNorm) -> LossNorm:
+    """Hook the forward boundaries: PipelineRunner._forward per action; LocalRunner: ``make_seq`` opens a
+    micro-batch and the loss norm (called on the forward's sums) closes it. Returns the norm to pass."""
+    if hasattr(runner, "_forward"):
+        fwd = runner._forward
+
+        def forward(a: Any) -> None:
+            saved.begin()
+            fwd(a)
+            saved.end(a.mb)
+        runner._forward = forward
+        return norm
+    make_seq, count = runner.make_seq, [0]
+
+    def seq(batch: Any) -> Any:
+        out = make_seq(batch)
+        saved.begin()
+        return out
+    runner.make_seq = seq
+
+    class _Norm:
+        def __call__(self, sums: dict) -> torch.Tensor:
+            saved.end(count[0])
+            count[0] += 1
+            return norm(sums)
+    return _Norm()  # type: ignore[return-value]
+
+
+def run_rank(rank: int, world: int, cfg: Any, steps: int, warmup: int) -> dict[str, Any]:
+    """Build this rank's runner, time ``steps`` steps, then one step under LiveBytes."""
+    dims = ParallelDims.from_config(cfg.parallel, world, rank)
+    if world > 1:
+        dims.build_groups()
+    runner = build_step_runner(None, cfg, dims, device="cpu")
+    batches = micro_batches(cfg)
+    norm = LossNorm.from_batches(batches, cfg.model.mtp_loss_weight)
+    params = [p for m in runner.modules for p in m.parameters()]
+
+    def step(n: Any = norm) -> None:
+        for p in params:
+            p.grad = None
+        runner.forward_backward(batches, n)
+
+    times = []
+    for i in range(warmup + steps):
+        if world > 1:
+            dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    lb = LiveBytes()
+    saved = _Saved(lb)
+    n = _instrument(runner, saved, norm)
+    for p in params:
+        p.grad = None
+    with lb:
+        lb.track(params)
+        base = lb.live
+        lb.reset_peak()
+        runner.forward_backward(batches, n)
+        peak = lb.peak - base
+    return {"rank": rank, "times": times, "saved_mb0": saved.by_mb.get(0, 0), "peak": peak}
+
+
+def _worker(rank: int, world: int, port: int, cfg: Any, steps: int, warmup: int, q: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=1800))
+    try:
+        q.put(run_rank(rank, world, cfg, steps, warmup))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_layout(cfg: Any, world: int, steps: int, warmup: int) -> list[dict[str, Any]]:
+    if world == 1:
+        return [run_rank(0, 1, cfg, steps, warmup)]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, cfg, steps, warmup, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    out = [q.get(timeout=3600) for _ in range(world)]
+    for p in procs:
+        p.join()
+        if p.exitcode != 0:
+            raise RuntimeError(f"a rank exited with {p.exitcode}")
+    return sorted(out, key=lambda r: r["rank"])
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=str(ROOT / "configs" / "small.yaml"))
+    ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    ap.add_argument("--recompute", nargs="+", default=["off", "on"], choices=["off", "on"],
+                    help="parallel.recompute settings to run")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps (median)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--bytes-only", action="store_true", help="no timed steps: only the saved / peak bytes")
+    args, overrides = ap.parse_known_args()
+    steps, warmup = (0, 0) if args.bytes_only else (args.steps, args.warmup)
+
+    print(f"{'layout':<8} {'recompute':<9} {'residual':<9} | {'step s':>8} {'overhead':>8} | "
+          f"{'saved MiB/mb':>12} {'ratio':>6} | {'act peak MiB':>12} {'ratio':>6}")
+    for layout in args.layouts:
+        pp, vpp = LAYOUTS[layout]
+        same = list(overrides)
+        if pp > 1 and not any(o.startswith("--parallel.pp_layers") for o in overrides):
+            # both residuals on the AttnRes run's partition (the cost model and the cut tie-break differ by residual)
+            ref = make_cfg(args.config, "attnres", pp, vpp, False, overrides)
+            sizes = build_partition(ref.model, ref.parallel, ref.train.seq_len).layers_per_stage()
+            same.append(f"--parallel.pp_layers=[{','.join(map(str, sizes))}]")
+            print(f"{layout}: layers per virtual stage {sizes} for both residuals")
+        for rc in args.recompute:
+            res = {}
+            for residual in RESIDUALS:
+                cfg = make_cfg(args.config, residual, pp, vpp, rc == "on", same)
+                ranks = run_layout(cfg, pp, steps, warmup)
+                t = (max(statistics.median(r["times"]) for r in ranks) if steps else float("nan"))
+                res[residual] = (t, max(r["saved_mb0"] for r in ranks), max(r["peak"] for r in ranks))
+            std = res["standard"]
+            for residual in RESIDUALS:
+                t, sv, pk = res[residual]
+                over = f"{100 * (t / std[0] - 1):+7.1f}%" if steps else f"{'-':>8}"
+                print(f"{layout:<8} {rc:<9} {residual:<9} | {t:>8.3f} {over} | {_mib(sv):>12} "
+                      f"{sv / max(std[1], 1):>6.3f} | {_mib(pk):>12} {pk / max(std[2], 1):>6.3f}")
+    print("overhead / ratio: AttnRes relative to the standard residual of the same layout and recompute setting; "
+          "saved = bytes a micro-batch's forward keeps for its backward (rank's chunks summed, worst rank).")
+
+
+if __name__ == "__main__":
+    main()

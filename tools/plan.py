@@ -1,0 +1,204 @@
+"""Which parallel layout trains fastest without running out of memory, and why (k3train/planning/plan.py).
+
+    .venv/bin/python tools/plan.py --config configs/tiny.yaml --world-size 4 --device cpu --measure 8
+    .venv/bin/python tools/plan.py --config configs/k3.yaml --world-size 2048 --device h200 --json --plot k3.png
+
+Enumerates every layout (pp, vpp, dp, cp, ep, MoonEP, ZeRO, micro-batch size, recompute, schedule) that the run
+validation accepts for the world size -- a ``--parallel.X=`` / ``--train.micro_batch_size=`` override pins that
+dimension -- drops those whose estimated per-rank peak (tools/memory.py's estimator) exceeds the device memory,
+predicts each step time with its breakdown (compute, exposed communication, bubble, optimizer) and prints the
+ranking. ``--device`` is ``cpu`` (calibrated here, cached) or ``h100`` / ``h200`` / ``b200`` (published figures);
+``--device-field FIELD=VALUE`` overrides any field (k3train/planning/devices.py). ``--json``: one object with a
+``layouts`` list. ``--plot F.png``: predicted throughput against peak memory, the chosen layout marked.
+``--measure K``: the top K and a few of the slowest predicted layouts run for ``--steps`` real steps under torchrun
+here; measured beside predicted, median absolute error and Spearman rank correlation.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="tools/plan.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--world-size", type=int, required=True)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device-field", action="append", default=[], metavar="FIELD=VALUE")
+    ap.add_argument("--calibration", default=None, help="cpu calibration cache (default ~/.cache/k3train/...)")
+    ap.add_argument("--top", type=int, default=10)
+    ap.add_argument("--measure", type=int, default=0, metavar="K")
+    ap.add_argument("--bottom", type=int, default=3, help="with --measure: slowest predicted layouts also run")
+    ap.add_argument("--steps", type=int, default=4, help="with --measure: steps per run (step 1 excluded)")
+    ap.add_argument("--ep-skew", type=float, default=1.5, help="plain EP: busiest rank's routed load / mean")
+    ap.add_argument("--exhaustive", action="store_true", help="simulate and trace every layout")
+    ap.add_argument("--trace-budget-s", type=float, default=150.0, help="seconds of memory traces at most")
+    ap.add_argument("--sim-budget-s", type=float, default=60.0, help="seconds of schedule simulation at most")
+    ap.add_argument("--reference", default="", help="a layout to place in the ranking, as overrides "
+                                                    "'--parallel.pp=16 --parallel.vpp=2 ...'")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--plot", default="")
+    args, overrides = ap.parse_known_args(argv)
+    from k3train.config import ConfigError, load_config
+    from k3train.preflight import is_bad_input
+
+    log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+    try:
+        if args.world_size < 1:
+            raise ConfigError(f"--world-size: must be >= 1, got {args.world_size}")
+        for k, v in (("--top", args.top), ("--measure", args.measure), ("--steps", args.steps - 1)):
+            if v < (1 if k != "--measure" else 0):
+                raise ConfigError(f"{k}: out of range")
+        if args.ep_skew < 1:
+            raise ConfigError(f"--ep-skew: must be >= 1 (max load / mean load), got {args.ep_skew}")
+        load_config(args.config, overrides)  # the base config itself (keys, types) before any work
+        ref_over = args.reference.split() if args.reference else []
+        if ref_over:
+            load_config(args.config, overrides + ref_over, world_size=args.world_size)
+        if args.plot:
+            try:
+                import matplotlib  # noqa: F401
+            except ImportError:
+                raise ConfigError("--plot needs matplotlib (.venv/bin/pip install matplotlib)") from None
+        from k3train.planning.devices import get_device
+        from k3train.planning.layer_bench import LayerTimes
+        from k3train.planning.layouts import enumerate_layouts
+
+        import time
+
+        t_enum = time.perf_counter()
+        pairs = enumerate_layouts(args.config, overrides, args.world_size)
+        t_enum = time.perf_counter() - t_enum
+        if not pairs[0]:
+            raise ConfigError(f"no valid layout of {args.config} for world size {args.world_size} (with the "
+                              f"dimensions pinned on the command line: {' '.join(overrides) or 'none'})")
+
+        if args.device.lower() != "cpu" and args.measure:
+            raise ConfigError(f"--measure runs on this machine: it needs --device cpu, not {args.device}")
+        dev = get_device(args.device, args.world_size, args.device_field, args.calibration, log)
+        from k3train.planning.devices import cache_path
+
+        lt = LayerTimes(cache_path(args.calibration), dev.threads, log) if dev.is_cpu else None
+        from k3train.planning.plan import Planner
+
+        planner = Planner(args.config, overrides, args.world_size, dev, top=max(args.top, args.measure),
+                          skew=args.ep_skew, exhaustive=args.exhaustive, layer_times=lt,
+                          trace_budget_s=args.trace_budget_s, sim_budget_s=args.sim_budget_s, log=log,
+                          pairs=pairs)
+        planner.enum_s = t_enum
+        res = planner.run()
+    except Exception as e:  # noqa: BLE001 - bad input is one line; anything else is a bug and raises
+        if isinstance(e, (ConfigError, FileNotFoundError)) or is_bad_input(e):
+            print(f"k3train: error: {e}", file=sys.stderr)
+            return 2
+        raise
+    from k3train.planning.plan import format_table, measure_step_time, plot, spearman
+
+    ranked = res.ranked()
+    ref_row = None
+    if ref_over:
+        from k3train.planning.layouts import canonical
+
+        ref_lay = canonical(load_config(args.config, overrides + ref_over, world_size=args.world_size))
+        ref_row = next((r for r in res.rows if r.layout == ref_lay), None)
+        if ref_row is not None and ref_row.pred is None:
+            ref_row.skipped = ""
+            ref_row.pred = _predict_one(planner, ref_row, res)
+        if ref_row is not None and ref_row.peak_bytes is None and ref_row.fits is not False:
+            planner.trace(ref_row)
+    chosen = ranked[0] if ranked else None
+    if args.measure:
+        # the slowest layouts by their step-time lower bound (predicted and traced here if branch and bound
+        # skipped them), so that the measured set spans the ranking
+        slow = sorted((r for r in res.rows if r.skipped != "bound"), key=lambda r: -r.lower_bound_s)
+        bottom = []
+        for r in slow:
+            if len(bottom) >= args.bottom:
+                break
+            if r.pred is None:
+                r.skipped, r.pred = "", _predict_one(planner, r, res)
+            if r.peak_bytes is None:
+                planner.trace(r)
+            if r.fits:
+                bottom.append(r)
+        picks = ranked[:args.measure] + [r for r in bottom if r not in ranked[:args.measure]]
+        for r in picks:
+            log(f"measuring {r.layout.short()} ({args.steps} steps) ...")
+            r.measured_step_s = measure_step_time(args.config, overrides + r.layout.overrides(), args.world_size,
+                                                  args.steps, dev.threads)
+    if args.plot:
+        plot(res, args.plot, chosen, ref_row)
+    if args.json:
+        print(json.dumps({"world_size": args.world_size, "device": _dev_json(res.device),
+                          "candidates_checked": res.candidates, "seconds": res.seconds, "notes": res.notes,
+                          "chosen": chosen.as_json(res.base_cfg, res.world, dev.peak_flops) if chosen else None,
+                          "reference": ref_row.as_json(res.base_cfg, res.world, dev.peak_flops) if ref_row else None,
+                          "layouts": [r.as_json(res.base_cfg, res.world, dev.peak_flops) for r in res.rows]}))
+    else:
+        print(res.device.describe())
+        for n in res.notes:
+            print("note:", n)
+        show = ranked[:args.top]
+        if show:
+            print(format_table(res, show))
+        else:  # nothing fits: still show what is fastest, and how far from fitting
+            fast = sorted((r for r in res.rows if r.pred is not None), key=lambda r: r.pred.step_s)[:args.top]
+            print(f"NO layout fits {res.device.hbm_bytes / 2**30:.1f} GiB; the fastest predicted ones (peak '-' = "
+                  f"not traced; memory lower bound {_lb(fast)}):")
+            print(format_table(res, fast))
+        if ref_row is not None:
+            place = (ranked.index(ref_row) + 1) if ref_row in ranked else None
+            sims = sorted(r.pred.step_s for r in res.rows if r.pred is not None)
+            by_time = (sum(1 for x in sims if x < ref_row.pred.step_s) + 1) if ref_row.pred else None
+            print(f"reference {ref_row.layout.short()}: " + (f"rank {place} of {len(ranked)} fitting" if place else
+                  f"fits={ref_row.fits}") + (f", predicted {ref_row.pred.step_s:.4g} s (place {by_time} of "
+                                             f"{len(sims)} simulated by predicted time)" if ref_row.pred else ""))
+            if ref_row not in show and ref_row.pred is not None and ref_row.peak_bytes is not None:
+                print(format_table(res, [ref_row]).splitlines()[1])
+        if chosen is not None:
+            print(f"chosen: {chosen.layout.short()}  ({' '.join(chosen.layout.overrides())})")
+        print(f"(planned in {res.seconds['total']:.1f} s: " + ", ".join(f"{k} {v:.1f}" for k, v in
+                                                                     res.seconds.items() if k != "total") + ")")
+    if args.measure:
+        done = [r for r in res.rows if r.measured_step_s is not None]
+        errs = sorted(abs(r.pred.step_s - r.measured_step_s) / r.measured_step_s for r in done)
+        out = sys.stderr if args.json else sys.stdout
+        print(f"{'layout':<40} {'predicted s':>11} {'measured s':>11} {'err':>7}", file=out)
+        for r in sorted(done, key=lambda r: r.pred.step_s):
+            e = (r.pred.step_s - r.measured_step_s) / r.measured_step_s
+            print(f"{r.layout.short():<40} {r.pred.step_s:11.4f} {r.measured_step_s:11.4f} {100 * e:+6.1f}%", file=out)
+        rho = spearman([r.pred.step_s for r in done], [r.measured_step_s for r in done])
+        print(f"median |error| {100 * errs[len(errs) // 2]:.1f}%, worst {100 * errs[-1]:.1f}%, Spearman {rho:.3f} "
+              f"over {len(done)} layouts", file=out)
+    return 0
+
+
+def _predict_one(planner, row, res):  # noqa: ANN001, ANN202
+    from k3train.planning.layouts import Validator
+    from k3train.planning.step_time import ParamFacts, predict
+
+    facts = ParamFacts.build(res.base_cfg)
+    part = Validator(res.base_cfg, res.world).partition(row.cfg)
+    opt_times = planner.lt.optimizer(res.base_cfg, facts.infos) if planner.lt is not None else None
+    return predict(row.cfg, row.layout, part, planner.programs(row.layout, row.cfg.train.grad_accum_steps),
+                   planner.dev, facts, planner.lt, planner.skew, opt_times)
+
+
+def _lb(rows) -> str:  # noqa: ANN001
+    return ", ".join(f"{r.mem_bound / 2**30:.0f}" for r in rows[:5]) + " GiB ..." if rows else "-"
+
+
+def _dev_json(dev) -> dict:  # noqa: ANN001
+    from k3train.planning.devices import device_json
+
+    return device_json(dev)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
