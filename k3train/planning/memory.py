@@ -658,7 +658,7 @@ def estimate(cfg: Config, world_size: int, cache: Any = None) -> Estimate:
                            if plan is not None else 0) for c in traces}
         by_id = {id(inf.param): inf for inf in infos}
         owned_cache: dict[int, tuple] = {}
-        view_cache: dict[tuple, set[int]] = {}
+        view_cache: dict[Any, Any] = {}
         ns_cache: dict[tuple, int] = cache.ns if cache is not None else {}
         for d in range(D):
             for c in range(C):
@@ -711,19 +711,19 @@ def estimate(cfg: Config, world_size: int, cache: Any = None) -> Estimate:
 
 
 def _owned_by(rank: int, infos: list[Any], all_groups: dict[str, list[list[int]]], ns_steps: int,
-              cache: dict[tuple, set[int]]) -> set[int]:
-    """Indices of the parameters ``rank`` owns under ZeRO: ``assign_owners`` as that rank runs it, over ITS groups
-    (an expert's edp group differs between ranks of one dp group). Ranks holding the same positions in their
-    groups own the same parameters (the assignment is by position and load): one run per distinct view."""
-    from k3train.optim.zero import assign_owners
-
-    mine = {kind: next(g for g in all_groups[kind] if rank in g) for kind in {inf.group for inf in infos}}
-    view = tuple(sorted((kind, len(g), g.index(rank)) for kind, g in mine.items()))
+              cache: dict[Any, Any]) -> set[int]:
+    """Indices of the parameters ``rank`` owns under ZeRO. ``infos`` carry ``assign_owners``' result over the
+    groups of the stage's first rank; a rank owns what the rank at ITS position in its own group of that kind
+    owns there (an expert's edp group differs between ranks of one dp group; the assignment is by position and
+    load, the same in every rank's view of a symmetric layout)."""
+    if "pos" not in cache:  # kind -> {rank: position in its group}
+        cache["pos"] = {kind: {r: i for g in all_groups[kind] for i, r in enumerate(g)}
+                        for kind in {inf.group for inf in infos}}
+        cache["owner_pos"] = {inf.index: (inf.group, inf.group_ranks.index(inf.owner)) for inf in infos}
+    pos, owner_pos = cache["pos"], cache["owner_pos"]
+    view = tuple(sorted((kind, p[rank]) for kind, p in pos.items()))
     if view not in cache:
-        for inf in infos:
-            inf.group_ranks = mine[inf.group]
-        assign_owners(infos, ns_steps)
-        cache[view] = {inf.index for inf in infos if inf.owner == rank}
+        cache[view] = {i for i, (kind, at) in owner_pos.items() if pos[kind][rank] == at}
     return cache[view]
 
 
