@@ -138,7 +138,8 @@ def save_cache(path: Path, data: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
-def _median_time(fn, reps: int) -> float:  # noqa: ANN001
+def median_time(fn, reps: int) -> float:  # noqa: ANN001
+    """Median wall time of ``reps`` calls of ``fn`` after one warm-up call."""
     fn()
     ts = []
     for _ in range(reps):
@@ -155,7 +156,7 @@ def bench_matmul(threads: int, n: int = 512) -> float:
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     a, b = torch.randn(n, n), torch.randn(n, n)
-    t = _median_time(lambda: a @ b, 7)
+    t = median_time(lambda: a @ b, 7)
     torch.set_num_threads(old)
     return 2 * n ** 3 / t
 
@@ -165,7 +166,7 @@ def bench_copy(nbytes: int = 64 * 2**20) -> float:
 
     x = torch.empty(nbytes // 4)
     y = torch.empty_like(x)
-    t = _median_time(lambda: y.copy_(x), 5)
+    t = median_time(lambda: y.copy_(x), 5)
     return 2 * nbytes / t  # read + write
 
 

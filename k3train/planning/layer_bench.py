@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from k3train.planning.devices import host_key, load_cache, save_cache
+from k3train.planning.devices import host_key, load_cache, median_time, save_cache
 
 
 def _key(cfg: Any, *parts: Any) -> str:
@@ -35,13 +34,7 @@ def _key(cfg: Any, *parts: Any) -> str:
 
 
 def _time(fn, reps: int = 3) -> float:  # noqa: ANN001
-    fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return sorted(ts)[len(ts) // 2]
+    return median_time(fn, reps)
 
 
 def _model(cfg: Any, ep: int) -> torch.nn.Module:
