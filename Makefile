@@ -9,8 +9,9 @@ CONFIG ?= configs/tiny.yaml
 LAYOUT ?= --parallel.pp=2 --parallel.vpp=2
 ARGS   ?=
 DATA   := data_cache/corpus_text_document
+DATA_MM := data_cache/mm
 
-.PHONY: train test venv data clean count bench plot
+.PHONY: train test venv data data-mm clean count bench plot
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
@@ -23,12 +24,17 @@ data: $(DATA).bin
 $(DATA).bin: $(VENV)/.installed tools/prepare_data.py k3train/data/assets/kjv.txt.gz k3train/data/assets/tokenizer.json
 	$(PY) tools/prepare_data.py --shipped-corpus --output-prefix $(DATA)
 
+# the shipped multimodal corpus (k3train/data/multimodal/shipped.py), for data.format=multimodal runs
+data-mm: $(DATA_MM).bin
+$(DATA_MM).bin: $(VENV)/.installed tools/prepare_data.py k3train/data/assets/kjv.txt.gz k3train/data/assets/tokenizer-vl.json k3train/data/multimodal/shipped.py
+	$(PY) tools/prepare_data.py --shipped-multimodal --output-prefix $(DATA_MM)
+
 # `k3train train` validates once (bad input: one line, exit 2, nothing started), then launches torchrun
 train: venv data
 	WANDB_MODE=$${WANDB_MODE:-offline} OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/k3train train \
 		--config $(CONFIG) --nproc $(NPROC) $(LAYOUT) $(ARGS)
 
-test: venv data
+test: venv data data-mm
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests
 
 count: venv

@@ -201,6 +201,10 @@ class DataConfig:
     eos_token: str = "<|eos|>"  # appended to every document by tools/prepare_data.py
     pad_token: str = "<|pad|>"
     media_placeholder_token: str = ""  # "" = no vision placeholder (then model.media_placeholder_token_id = -1)
+    # "text": data.path is a text dataset (Megatron GPTDataset); "multimodal": data.path was made by
+    # tools/prepare_data.py --multimodal (tokens + media store) and batches carry Batch.media (k3train/data/multimodal)
+    format: str = "text"
+    max_media_pixels: int = 3584 * 3584  # multimodal: largest image / frame (height * width px) a run accepts
 
 
 @dataclass
@@ -230,6 +234,37 @@ class CheckpointConfig:
     preempt_timeout_s: float = 25.0
 
 
+@dataclass
+class VisionConfig:
+    """MoonViT-V2 vision encoder + projector (k3train/model/vit.py, vit_tower.py). Defaults are K3's (seed 000);
+    the K2.5-format fields (norm kind, biases, interpolation, projector norm position, final norm) express
+    Hugging Face ``kimi_k25``'s MoonViT-3D (k3train/model/vit_hf.py)."""
+
+    enabled: bool = False  # false: a text-only model (no vision parameters, embed() ignores media)
+    num_hidden_layers: int = 27
+    hidden_size: int = 1024
+    num_attention_heads: int = 12
+    head_dim: int = 128  # q, k, v are hidden_size -> num_attention_heads * head_dim (1536)
+    intermediate_size: int = 4096  # MLP hidden_size -> intermediate_size -> hidden_size
+    hidden_act: str = "gelu_tanh"  # encoder MLP activation: "gelu_tanh" | "gelu" (exact erf)
+    patch_size: int = 14  # square patches; pixel_values [N, 3, patch_size, patch_size]
+    pos_emb_height: int = 64  # learnable 2D position table, interpolated to each media's patch grid
+    pos_emb_width: int = 64
+    pos_emb_interpolation: str = "bilinear"  # "bilinear" (V2) | "bicubic" (K2.5); align_corners=False
+    pos_emb_time: int = 4  # frames of the fixed sinusoidal temporal table: the most frames one clip may have
+    rope_theta: float = 10000.0  # 2D RoPE on q, k (half the rotary pairs by column, half by row)
+    attention: str = "joint"  # "joint" spatio-temporal per clip (published code) | "factorised" (paper)
+    norm: str = "rmsnorm"  # "rmsnorm" (V2) | "layernorm" (K2.5); also the projector's norm
+    norm_eps: float = 1e-5
+    bias: bool = False  # biases on the patch conv and every linear layer (K2.5: true)
+    final_norm: bool = False  # a norm after the last block, before the merge (K2.5: true)
+    merge_size: int = 2  # sd2_tpool: merge_size x merge_size neighbours concatenated, mean over frames
+    projector_hidden_size: int = 4096  # projector: merged (hidden * merge^2) -> this -> model.hidden_size
+    projector_act: str = "gelu"  # "gelu" (exact erf, as kimi_k25's nn.GELU()) | "gelu_tanh"
+    projector_norm: str = "post"  # "post": norm(model.hidden_size) after (V2) | "pre": per patch before (K2.5)
+    init_std: float = 0.02  # N(0, std) for matrices; output projections (o_proj, fc2) std / sqrt(2 layers)
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "parallel": ParallelConfig,
@@ -238,6 +273,7 @@ SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "logging": LoggingConfig,
     "checkpoint": CheckpointConfig,
+    "vision": VisionConfig,
 }
 
 
@@ -250,6 +286,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    vision: VisionConfig = field(default_factory=VisionConfig)
     source: str = field(default="<defaults>", metadata={"derived": True})
     # "section.key" -> where its value was set ("in FILE:LINE" / "from the command line: --k=v"), for messages
     origins: dict[str, str] = field(default_factory=dict, metadata={"derived": True}, repr=False, compare=False)
@@ -437,6 +474,17 @@ class Config:
         # data: the split string (one parser, shared with the dataset builder)
         parse_split(self.data.split, f" ({self.origin('data.split')})")
 
+        # multimodal data (k3train/data/multimodal): the format, the media size limit, the placeholder it needs
+        d = self.data
+        need(d.format in ("text", "multimodal"), "data.format", f"must be 'text' or 'multimodal', got {d.format!r}")
+        need(d.max_media_pixels >= 28 * 28, "data.max_media_pixels",
+             f"must be >= {28 * 28} (one 28 x 28 px unit), got {d.max_media_pixels}")
+        if d.format == "multimodal":
+            need(bool(d.media_placeholder_token) and m.media_placeholder_token_id >= 0, "data.format",
+                 "multimodal data needs data.media_placeholder_token (e.g. '<|media_pad|>' of "
+                 "k3train/data/assets/tokenizer-vl.json) and its id in model.media_placeholder_token_id",
+                 "data.format", "data.media_placeholder_token", "model.media_placeholder_token_id")
+
         # logging
         lg = self.logging
         need(lg.log_interval >= 1, "logging.log_interval", f"must be >= 1 (print every N steps), got {lg.log_interval}")
@@ -454,6 +502,28 @@ class Config:
         # checkpoint safety: overwrite only names what a start that is not a plain continuation may move aside
         need(not (self.checkpoint.overwrite and self.checkpoint.resume == "auto"), "checkpoint.overwrite",
              "true needs checkpoint.resume=none (a new run) or a checkpoint path; resume=auto continues the run")
+
+        # vision: the MoonViT-V2 encoder + projector (k3train/model/vit.py); checked only when enabled
+        v = self.vision
+        if v.enabled:
+            for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "head_dim", "intermediate_size",
+                      "patch_size", "pos_emb_height", "pos_emb_width", "pos_emb_time", "projector_hidden_size"):
+                need(getattr(v, k) >= 1, f"vision.{k}", f"must be >= 1, got {getattr(v, k)}")
+            need(v.head_dim % 4 == 0, "vision.head_dim",
+                 f"must be a multiple of 4 (2D RoPE: half the rotary pairs by row, half by column), got {v.head_dim}")
+            need(v.hidden_size % 2 == 0, "vision.hidden_size",
+                 f"must be even (the sinusoidal temporal table pairs sin and cos), got {v.hidden_size}")
+            need(v.merge_size == 2, "vision.merge_size", f"only the sd2_tpool merge (2) is implemented, got "
+                 f"{v.merge_size}")
+            for k, ok in (("hidden_act", ("gelu_tanh", "gelu")), ("projector_act", ("gelu_tanh", "gelu")),
+                          ("pos_emb_interpolation", ("bilinear", "bicubic")), ("attention", ("joint", "factorised")),
+                          ("norm", ("rmsnorm", "layernorm")), ("projector_norm", ("post", "pre"))):
+                need(getattr(v, k) in ok, f"vision.{k}", f"must be one of {', '.join(ok)}, got {getattr(v, k)!r}")
+            for k in ("norm_eps", "rope_theta", "init_std"):
+                need(getattr(v, k) > 0, f"vision.{k}", f"must be > 0, got {getattr(v, k)}")
+            need(0 <= m.media_placeholder_token_id < m.vocab_size, "model.media_placeholder_token_id",
+                 f"vision.enabled needs a placeholder id in [0, vocab_size={m.vocab_size}), got "
+                 f"{m.media_placeholder_token_id}", "model.media_placeholder_token_id", "vision.enabled")
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -105,7 +105,7 @@ def check_injection(cfg: Any) -> None:
     from k3train.model.model import K3Model
 
     with torch.device("meta"):
-        names = {n for n, _ in K3Model(cfg.model).named_modules() if n}
+        names = {n for n, _ in K3Model(cfg.model, cfg.vision).named_modules() if n}
     if spec.module not in names:
         raise ConfigError(f"{INJECT_ENV}: the model has no module {spec.module!r} (e.g. layers.0.attn, lm_head)")
     world = cfg.parallel.pp * cfg.parallel.dp * cfg.parallel.cp

@@ -135,6 +135,11 @@ def check_data(cfg: Config) -> None:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
                           f"{tok.vocab_size} ids ({tok_path}) ({cfg.origin('model.vocab_size')})")
     check_token_ids(cfg, tok)
+    if cfg.data.format == "multimodal":  # tokens + media store, every media against its placeholders
+        from k3train.data.multimodal.validate import check_multimodal_data  # noqa: PLC0415
+
+        check_multimodal_data(cfg, tok, splits_read(cfg))
+        return
     try:  # ids in the data beyond the TOKENIZER's vocabulary: the data was made with another tokenizer
         info = validate_indexed_dataset(cfg.data.path, vocab_size=tok.vocab_size)
     except DataError as e:  # the message names the file; name the key too

@@ -15,7 +15,7 @@ def single_process_step(model: Any, batches: list, norm: Any) -> tuple[dict[str,
     stats = {"loss": 0.0, "lm_loss_sum": 0.0, "mtp_loss_sum": 0.0}
     for b in batches:
         seq = SeqInfo.from_doc_ids(b.doc_ids, b.positions)
-        sums = model.loss_sums(model.forward_layers(model.embed(b.tokens), 0, L, seq), b, seq)
+        sums = model.loss_sums(model.forward_layers(model.embed_batch(b), 0, L, seq), b, seq)
         loss = norm(sums)
         loss.backward()
         stats["loss"] += float(loss.detach())

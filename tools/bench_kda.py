@@ -53,8 +53,19 @@ from k3train.ops.kda_naive import naive_recurrent_kda  # noqa: E402
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
-def naive_reference() -> tuple[str, Callable, bool]:
-    """(name, fn, needs T % 64 == 0): fla's pure-torch chunk reference when installed, else our token loop."""
+def naive_reference(naive_file: str = "") -> tuple[str, Callable, bool]:
+    """(name, fn, needs T % 64 == 0): fla's pure-torch chunk reference when installed (or loaded from
+    ``naive_file``, fla's ``fla/ops/kda/naive.py``: on a CPU machine the ``fla`` package itself does not import,
+    its ``__init__`` needs Triton, but that one file needs only torch and einops), else our token loop."""
+    if naive_file:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("fla_kda_naive", naive_file)
+        if spec is None or spec.loader is None:
+            raise SystemExit(f"--naive-file {naive_file}: not a Python file")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return f"fla naive_chunk_kda from {naive_file}", mod.naive_chunk_kda, True
     try:
         from fla.ops.kda.naive import naive_chunk_kda  # type: ignore[import-not-found]
     except ImportError:
@@ -143,6 +154,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--autograd-max-t", type=int, default=16384, help="skip the autograd op beyond this T")
     p.add_argument("--naive-max-t", type=int, default=0,
                    help="skip the naive reference beyond this T (default: 4096 for fla's, 1024 for the token loop)")
+    p.add_argument("--naive-file", default="",
+                   help="fla's fla/ops/kda/naive.py to load by path (pip download fla-core --no-deps; needs einops)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: leave torch's default)")
     p.add_argument("--matmul-n", type=int, default=2048, help="square fp32 matmul size for the peak reference")
@@ -152,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(a.threads)
     dtype = DTYPES[a.dtype]
     clock = Clock(a.clock, a.device)
-    naive_name, naive_fn, naive_needs_chunks = naive_reference()
+    naive_name, naive_fn, naive_needs_chunks = naive_reference(a.naive_file)
     naive_max = a.naive_max_t or (4096 if naive_needs_chunks else 1024)
     new = lambda *x: chunk_kda(*x, chunk_size=a.chunk_size, g_lower_bound=a.g_lower_bound)  # noqa: E731
     old = lambda *x: chunk_kda_autograd(*x, chunk_size=a.chunk_size)  # noqa: E731

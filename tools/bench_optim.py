@@ -106,7 +106,7 @@ def k3_factory(a: argparse.Namespace) -> tuple[nn.Module, Callable[[nn.Module, i
     from k3train.data.batch import Batch
     from k3train.model.model import K3Model
     cfg = validate_run(a.config, [], world_size=a.world, for_training=False)  # the run-config checks; no data read
-    m = K3Model(cfg.model)
+    m = K3Model(cfg.model, cfg.vision)
     m.init_weights(cfg.train.seed)
 
     def loss_fn(model: nn.Module, seed: int) -> torch.Tensor:

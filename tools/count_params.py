@@ -3,9 +3,10 @@
 
     python tools/count_params.py --config configs/k3.yaml [--json] [--model.key=value ...]
 
-``total`` / ``active`` are the BACKBONE (excluding the MTP layer and the vision encoder, as the published
+``total`` / ``active`` are the BACKBONE (excluding the MTP layer and the vision tower, as the published
 2.78T / 104.2B); ``active`` leaves out the input embedding (a lookup) and counts k/E of the routed experts.
-The MTP layer is listed separately; ``vision`` is 0 until a vision encoder (MoonViT-V2) is part of K3Model.
+The MTP layer, the MoonViT-V2 encoder (``vision``) and its projector (``projector``) are listed separately; with
+``vision.enabled`` the tokens and forward FLOPs of one image at the seed's three resolutions follow.
 """
 from __future__ import annotations
 
@@ -20,16 +21,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from k3train.preflight import is_bad_input, validate_run  # noqa: E402
 from k3train.model import K3Model, param_breakdown  # noqa: E402
-from k3train.model.flops import model_flops_per_token  # noqa: E402
+from k3train.model.flops import model_flops_per_token, vision_flops  # noqa: E402
+from k3train.model.media import merged_tokens, patch_grid  # noqa: E402
 
+IMAGE_SIDES_PX = (448, 1792, 3584)  # seed 000's token table
 
 def count(config: str, overrides: list[str] | None = None) -> dict:
     """Build the model on the meta device and return :func:`param_breakdown` plus FLOPs per token. The config
     goes through the same validation as a training run (no data or machine checks: nothing is trained)."""
     cfg = validate_run(config, overrides or [], for_training=False)
     with torch.device("meta"):
-        model = K3Model(cfg.model)
+        model = K3Model(cfg.model, cfg.vision)
     out = param_breakdown(model, cfg.model)
+    v = cfg.vision
+    out["vision_per_image"] = [] if not v.enabled else [
+        {"pixels": side, "grid": g, "tokens": merged_tokens(*g, merge=v.merge_size),
+         "encoder_forward_flops": vision_flops(g, v, cfg.model.hidden_size, projector=False),
+         "forward_flops": vision_flops(g, v, cfg.model.hidden_size)}
+        for side in IMAGE_SIDES_PX for g in [list(patch_grid(side, side, 1, v.patch_size, v.merge_size))]]
     out["config"] = config
     out["flops_per_token_train"] = model_flops_per_token(cfg.model, cfg.train.seq_len)
     out["seq_len"] = cfg.train.seq_len
@@ -60,13 +69,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"{res['config']}: total {_fmt(res['total'])} ({res['total']:,}), active {_fmt(res['active'])} "
           f"({res['active']:,}) per token  [backbone; excluding MTP and vision; embedding not active]")
+    notes = {"mtp": "  (not in total: MTP)", "vision": "  (not in total: MoonViT-V2 encoder)",
+             "projector": "  (not in total: vision projector)"}
     print(f"{'component':<16}{'total':>22}{'active':>22}")
     for name, c in res["breakdown"].items():
-        note = "  (not in total: MTP)" if name == "mtp" else "  (no vision encoder in K3Model yet)" if name == "vision" \
-            else ""
+        note = notes.get(name, "")
         print(f"{name:<16}{c['total']:>22,}{c['active']:>22,}{note}")
     print(f"with MTP: {_fmt(res['total_with_mtp'])}; training FLOPs/token at seq_len {res['seq_len']}: "
           f"{res['flops_per_token_train']:.4g}")
+    for im in res["vision_per_image"]:
+        print(f"image {im['pixels']}x{im['pixels']} px: patch grid {im['grid']} -> {im['tokens']:,} tokens; forward "
+              f"FLOPs: encoder {im['encoder_forward_flops']:.4g}, with the projector {im['forward_flops']:.4g}")
     return 0
 
 

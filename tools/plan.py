@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"k3train: error: {e}", file=sys.stderr)
             return 2
         raise
-    from k3train.planning.plan import format_table, measure_step_time, plot, spearman
+    from k3train.planning.plan import (distinct_top, format_table, measure_step_time, plot, slowest_fitting,
+                                       spearman)
 
     ranked = res.ranked()
     ref_row = None
@@ -114,20 +115,9 @@ def main(argv: list[str] | None = None) -> int:
             planner.trace(ref_row)
     chosen = ranked[0] if ranked else None
     if args.measure:
-        # the slowest layouts by their step-time lower bound (predicted and traced here if branch and bound
-        # skipped them), so that the measured set spans the ranking
-        slow = sorted((r for r in res.rows if r.skipped != "bound"), key=lambda r: -r.lower_bound_s)
-        bottom = []
-        for r in slow:
-            if len(bottom) >= args.bottom:
-                break
-            if r.pred is None:
-                r.skipped, r.pred = "", _predict_one(planner, r, res)
-            if r.peak_bytes is None:
-                planner.trace(r)
-            if r.fits:
-                bottom.append(r)
-        picks = ranked[:args.measure] + [r for r in bottom if r not in ranked[:args.measure]]
+        bottom = slowest_fitting(planner, res, args.bottom, _predict_one)
+        top = distinct_top(planner, res, args.measure, _predict_one)
+        picks = top + [r for r in bottom if r not in top]
         for r in picks:
             log(f"measuring {r.layout.short()} ({args.steps} steps) ...")
             r.measured_step_s = measure_step_time(args.config, overrides + r.layout.overrides(), args.world_size,

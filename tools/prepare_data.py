@@ -19,6 +19,16 @@ Examples:
   python tools/prepare_data.py --input my.jsonl --tokenizer my/tokenizer.json --bos-token '<s>' \\
       --eos-token '</s>' --pad-token '<pad>' --output-prefix data_cache/my_text_document
 
+Multimodal (images / video interleaved with text, k3train/data/multimodal): --multimodal DIR reads a
+Megatron-Energon WebDataset (DIR/.nv-meta + tar shards of <key>.json + <key>.<n>.png) and writes PREFIX.bin/.idx
+(tokens, each media expanded to its placeholder tokens) + PREFIX.media.bin/.media.npy (resized pixels):
+  python tools/prepare_data.py --shipped-multimodal --output-prefix data_cache/mm   # builds the shipped corpus
+      # (shards in data_cache/mm_wds/, tokenizer k3train/data/assets/tokenizer-vl.json) and prepares it; same as
+  python tools/prepare_data.py --multimodal data_cache/mm_wds --tokenizer k3train/data/assets/tokenizer-vl.json \
+      --media-token '<|media_pad|>' --output-prefix data_cache/mm
+A run on it: data.format=multimodal, data.path=PREFIX, data.tokenizer=...tokenizer-vl.json,
+data.media_placeholder_token='<|media_pad|>', model.media_placeholder_token_id=4096, model.vocab_size>=4099.
+
 A trained tokenizer can have fewer ids than --vocab-size (BPE stops when no pair of tokens occurs twice): a
 notice says how many it has (--exact-vocab-size makes that an error).
 """
@@ -54,10 +64,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pad-token", default=PAD, help="the tokenizer's padding token (config: data.pad_token)")
     ap.add_argument("--media-token", default="", help="a vision placeholder token, if the tokenizer has one "
                     "(config: data.media_placeholder_token)")
+    ap.add_argument("--multimodal", metavar="DIR", help="an Energon WebDataset of interleaved image/video + text "
+                    "samples (needs --media-token)")
+    ap.add_argument("--shipped-multimodal", action="store_true", help="build the shipped multimodal corpus into "
+                    "PREFIX_wds/ and prepare it (defaults: tokenizer-vl.json, --media-token '<|media_pad|>')")
+    ap.add_argument("--max-media-pixels", type=int, default=3584 * 3584,
+                    help="largest image / frame (height*width px, after resizing to multiples of 28) to accept")
     ap.add_argument("--json-key", default="text", help="document field of .jsonl inputs")
     ap.add_argument("--skip-empty", action="store_true", help="drop empty documents instead of failing")
     ap.add_argument("--batch-size", type=int, default=256, help="documents per tokenizer batch")
     a = ap.parse_args(argv)
+    if a.multimodal or a.shipped_multimodal:
+        return prepare_multimodal_main(ap, a)
     if a.shipped_corpus:
         a.input = a.input or [str(DEFAULT_CORPUS)]
         a.tokenizer = a.tokenizer or str(DEFAULT_TOKENIZER)
@@ -84,6 +102,39 @@ def main(argv: list[str] | None = None) -> int:
             info = prepare(a.input, a.tokenizer, a.output_prefix, a.json_key, a.skip_empty, a.batch_size, special)
             print(f"wrote {a.output_prefix}.bin/.idx: {info.num_documents} documents, {info.num_tokens} tokens "
                   f"({info.dtype.__name__}) in {time.perf_counter() - t0:.1f}s")
+    except DataError as e:
+        print(f"k3train: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def prepare_multimodal_main(ap: argparse.ArgumentParser, a: argparse.Namespace) -> int:
+    if not a.output_prefix:
+        ap.error("--multimodal / --shipped-multimodal need --output-prefix")
+    from k3train.data.multimodal.vl_tokenizer import MEDIA_PAD, VL_TOKENIZER  # noqa: PLC0415
+
+    if a.shipped_multimodal:
+        a.tokenizer = a.tokenizer or str(VL_TOKENIZER)
+        a.media_token = a.media_token or MEDIA_PAD
+    if not a.tokenizer or not a.media_token:
+        ap.error("--multimodal needs --tokenizer and --media-token (the tokenizer's media placeholder)")
+    from k3train.data.multimodal.prepare import prepare_multimodal  # noqa: PLC0415
+    from k3train.data.tokenizer import load_tokenizer  # noqa: PLC0415
+
+    try:
+        t0 = time.perf_counter()
+        if a.shipped_multimodal:
+            from k3train.data.multimodal.shipped import build_shipped_shards  # noqa: PLC0415
+
+            a.multimodal = a.multimodal or f"{a.output_prefix}_wds"
+            n = build_shipped_shards(a.multimodal)
+            print(f"wrote the shipped multimodal corpus: {n} samples in {a.multimodal} "
+                  f"({time.perf_counter() - t0:.1f}s)")
+        tok = load_tokenizer(a.tokenizer, SpecialTokens(a.bos_token, a.eos_token, a.pad_token, a.media_token))
+        t0 = time.perf_counter()
+        info, n_media = prepare_multimodal(a.multimodal, tok, a.output_prefix, a.max_media_pixels)
+        print(f"wrote {a.output_prefix}.bin/.idx + .media.bin/.media.npy: {info.num_documents} documents, "
+              f"{info.num_tokens} tokens, {n_media} media in {time.perf_counter() - t0:.1f}s")
     except DataError as e:
         print(f"k3train: error: {e}", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ Public API (importing this package does not import megatron; the functions that 
 * :func:`validate_indexed_dataset`, :func:`build_gpt_datasets`, :func:`write_indexed_dataset`.
 * :func:`prepare` / :func:`train_tokenizer` -- what ``tools/prepare_data.py`` runs.
 * :class:`DataError` -- every data problem (a ``ValueError`` with a one-line message naming the file).
+* :mod:`k3train.data.multimodal` -- images / video interleaved with text (``data.format: multimodal``).
 """
 from k3train.data.batch import Batch
 from k3train.data.corpus import DEFAULT_CORPUS, DOC_SEPARATOR, DataError, read_documents

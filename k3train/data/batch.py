@@ -21,14 +21,30 @@ Conventions (``x`` = the ``T + 1`` sample tokens, ``t`` in ``0..T-1``):
 Under context parallelism every CP rank gets a contiguous slice of every row (:meth:`Batch.slice_cp`); the
 masks and labels are computed on the full row first, so slicing never changes a token's targets, and
 ``doc_ids`` / ``positions`` keep their full-row meaning.
+
+Multimodal runs (``data.format: multimodal``, :mod:`k3train.data.multimodal`): ``media`` holds the images / clips
+of the micro-batch's rows (:class:`k3train.model.media.MediaInputs`, row-major ``[B, T]`` placeholder order;
+``MediaInputs.empty()`` when the rows hold none, never None, so every rank runs the same program) and
+``media_rows[i]`` the row of media ``i`` (used to split rows into micro-batches), ``media_token_id`` the
+placeholder id the media fill. :meth:`slice_cp` keeps the media WHOLE on every CP rank and records
+``media_offsets[b]``: the index, in the micro-batch's media embeddings (row-major placeholder order of the FULL
+rows), of row ``b``'s first placeholder inside the slice -- the model side encodes all media and scatters the
+embeddings ``media_offsets[b] + 0, 1, ...`` into row ``b``'s placeholders (:meth:`K3Model.embed_batch`).
+Text-only runs leave all four None.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:  # imported where used: k3train.model's package imports the whole model
+    from k3train.model.media import MediaInputs
+
+_ROW_FIELDS = ("tokens", "labels", "loss_mask", "doc_ids", "positions", "mtp_labels", "mtp_loss_mask")
 
 
 @dataclass
@@ -42,6 +58,10 @@ class Batch:
     positions: Tensor
     mtp_labels: Tensor
     mtp_loss_mask: Tensor
+    media: MediaInputs | None = None  # multimodal runs: this micro-batch's media (module docstring)
+    media_rows: Tensor | None = None  # [n_media] int64: the row of each media
+    media_token_id: int | None = None  # the placeholder id the media fill (slice_cp counts placeholders by it)
+    media_offsets: Tensor | None = None  # [B] int64, CP slices only: see the module docstring
 
     # ------------------------------------------------------------------------------------------------------
     @classmethod
@@ -79,11 +99,17 @@ class Batch:
         return tuple(self.tokens.shape)  # type: ignore[return-value]
 
     def _map(self, fn) -> "Batch":
-        return Batch(**{f.name: fn(getattr(self, f.name)) for f in dataclasses.fields(self)})
+        """``fn`` applied to every ``[B, T]`` field; the media are carried over unchanged."""
+        return dataclasses.replace(self, **{k: fn(getattr(self, k)) for k in _ROW_FIELDS})
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
-        """Move every field to ``device``."""
-        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+        """Move every field (media included) to ``device``."""
+        out = self._map(lambda t: t.to(device, non_blocking=non_blocking))
+        if self.media is not None:
+            out.media = self.media.to(device)
+            out.media_rows = self.media_rows.to(device) if self.media_rows is not None else None
+            out.media_offsets = self.media_offsets.to(device) if self.media_offsets is not None else None
+        return out
 
     def slice_cp(self, cp_rank: int, cp: int) -> "Batch":
         """This CP rank's contiguous segment ``[cp_rank*T/cp, (cp_rank+1)*T/cp)`` of every row.
@@ -94,20 +120,80 @@ class Batch:
         if T % cp:
             raise ValueError(f"sequence length {T} is not divisible by cp={cp}")
         n = T // cp
-        return self._map(lambda t: t[:, cp_rank * n:(cp_rank + 1) * n].contiguous())
+        out = self._map(lambda t: t[:, cp_rank * n:(cp_rank + 1) * n].contiguous())
+        if self.media is not None:
+            out.media_offsets = self._media_offsets_at(cp_rank * n)
+        return out
+
+    def _media_offsets_at(self, col: int) -> Tensor:
+        """Per row ``b``: placeholders of the rows before ``b`` plus those of row ``b`` before column ``col``
+        (the full-row index of the first media embedding a slice starting at ``col`` places in row ``b``)."""
+        if self.media_offsets is not None:
+            raise ValueError("slice_cp() of a batch that is already a CP slice")
+        if self.media_token_id is None:
+            raise ValueError("slice_cp() of a batch with media needs media_token_id (the placeholder id) to "
+                             "locate its placeholders")
+        ph = (self.tokens == self.media_token_id).long()
+        per_row = ph.sum(dim=1)
+        return per_row.cumsum(0) - per_row + ph[:, :col].sum(dim=1)
 
     def micro_batches(self, mbs: int) -> list["Batch"]:
         """Split the rows into consecutive micro-batches of ``mbs`` rows (B must be divisible by mbs)."""
         B = self.tokens.shape[0]
         if mbs < 1 or B % mbs:
             raise ValueError(f"batch of {B} rows cannot be split into micro-batches of {mbs}")
-        return [self._map(lambda t, i=i: t[i:i + mbs]) for i in range(0, B, mbs)]
+        return [self._rows(i, i + mbs) for i in range(0, B, mbs)]
+
+    def _rows(self, lo: int, hi: int) -> "Batch":
+        """Rows ``[lo, hi)`` with their media."""
+        out = self._map(lambda t: t[lo:hi])
+        if self.media is None:
+            return out
+        if self.media_offsets is not None:
+            raise ValueError("split the rows into micro-batches before slicing them for CP (media_offsets count "
+                             "the placeholders of all rows)")
+        if self.media_rows is None:
+            raise ValueError("a batch with media needs media_rows to be split into micro-batches")
+        from k3train.model.media import MediaInputs
+
+        patches = self.media.grid_thw.prod(dim=1)
+        first = torch.cat([torch.zeros(1, dtype=torch.long), patches.cumsum(0)])
+        sel = torch.nonzero((self.media_rows >= lo) & (self.media_rows < hi)).flatten()
+        if sel.numel() == 0:
+            out.media, out.media_rows = MediaInputs.empty(self.media.pixel_values.shape[-1],
+                                                          self.media.pixel_values.dtype), sel
+            return out
+        a, b = int(sel[0]), int(sel[-1]) + 1  # media of consecutive rows are consecutive
+        out.media = MediaInputs(self.media.pixel_values[int(first[a]):int(first[b])], self.media.grid_thw[a:b])
+        out.media_rows = self.media_rows[a:b] - lo
+        return out
 
     @staticmethod
     def cat(batches: list["Batch"], dim: int = 0) -> "Batch":
-        """Concatenate batches along rows (``dim=0``) or along the sequence (``dim=1``, e.g. CP slices)."""
-        return Batch(**{f.name: torch.cat([getattr(b, f.name) for b in batches], dim=dim)
-                        for f in dataclasses.fields(Batch)})
+        """Concatenate batches along rows (``dim=0``) or along the sequence (``dim=1``, e.g. CP slices; their
+        media, whole on every CP rank, must be equal and are kept once)."""
+        out = Batch(**{k: torch.cat([getattr(b, k) for b in batches], dim=dim) for k in _ROW_FIELDS})
+        media = [b.media for b in batches]
+        if all(m is None for m in media):
+            return out
+        out.media_token_id = batches[0].media_token_id
+        if dim == 0 and any(b.media_offsets is not None for b in batches):
+            raise ValueError("cannot concatenate the rows of CP slices (concatenate along the sequence first)")
+        if any(m is None or b.media_rows is None for m, b in zip(media, batches)):
+            raise ValueError("cannot concatenate batches with and without media")
+        if dim == 1:
+            m0 = media[0]
+            for m in media[1:]:
+                if not (torch.equal(m.grid_thw, m0.grid_thw) and torch.equal(m.pixel_values, m0.pixel_values)):
+                    raise ValueError("CP slices of one micro-batch must carry the same media")
+            out.media, out.media_rows = m0, batches[0].media_rows
+            return out
+        from k3train.model.media import MediaInputs
+
+        offsets = torch.tensor([0] + [b.tokens.shape[0] for b in batches]).cumsum(0)
+        out.media = MediaInputs(torch.cat([m.pixel_values for m in media]), torch.cat([m.grid_thw for m in media]))
+        out.media_rows = torch.cat([b.media_rows + int(o) for b, o in zip(batches, offsets)])
+        return out
 
     def num_lm_tokens(self) -> int:
         """Number of tokens that contribute to the next-token loss."""

@@ -23,6 +23,10 @@ that never read data included), in the same order.
 The number of train samples requested from Megatron is ``train.steps * GBS``; the order of the first epoch is
 independent of ``train.steps`` (Megatron's shuffles only depend on the seed and on the number of epochs), so
 resuming with a larger ``train.steps`` continues the same order as long as the run stays within one epoch.
+
+``data.format: multimodal`` reads :class:`k3train.data.multimodal.dataset.MultimodalDataset` instead (rows of
+whole documents whose media spans are never cut; every micro-batch carries ``Batch.media``); indices, dp/cp
+split and resume state are the same.
 """
 from __future__ import annotations
 
@@ -82,12 +86,20 @@ class GlobalBatchLoader:
                             f"ids ({self.tokenizer.path})")
         self.data_path = str(cfg.data.path)
         num_samples = {"train": max(1, int(t.steps)) * self.gbs, "valid": None, "test": None}
-        # build only the split this loader reads: an unread split, however small, must not fail the run
-        datasets = build_gpt_datasets(self.data_path, self.tokenizer, self.seq_len, self.seed, cfg.data.split,
-                                      {split: num_samples[split]})
-        if split not in datasets:
-            raise DataError(f"data.split={cfg.data.split!r} gives the {split} split weight 0")
-        self.dataset = datasets[split]
+        # data.format=multimodal: whole-document rows with their media (k3train/data/multimodal/dataset.py; built
+        # the same way on every rank, no collective)
+        self.multimodal = getattr(cfg.data, "format", "text") == "multimodal"
+        if self.multimodal:
+            from k3train.data.multimodal.dataset import build_multimodal_dataset
+
+            self.dataset = build_multimodal_dataset(cfg, self.tokenizer, split, num_samples[split])
+        else:
+            # build only the split this loader reads: an unread split, however small, must not fail the run
+            datasets = build_gpt_datasets(self.data_path, self.tokenizer, self.seq_len, self.seed, cfg.data.split,
+                                          {split: num_samples[split]})
+            if split not in datasets:
+                raise DataError(f"data.split={cfg.data.split!r} gives the {split} split weight 0")
+            self.dataset = datasets[split]
         self.num_samples = len(self.dataset)
         self.cyclic = split != "train"
         self.consumed_samples = int(consumed_samples)
@@ -117,6 +129,8 @@ class GlobalBatchLoader:
         return idx
 
     def _rows(self, indices: np.ndarray) -> Batch:
+        if self.multimodal:
+            return self.dataset.batch(indices)
         samples = torch.from_numpy(np.stack([sample_tokens(self.dataset, i) for i in indices]))
         return Batch.from_samples(samples, self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id)
 

@@ -3,7 +3,8 @@
 ``param_breakdown(model, cfg)`` classifies every parameter of a (meta-built) :class:`K3Model` by FQN into
 components and computes total and active-per-token counts:
 
-* ``total``: backbone parameters, EXCLUDING the MTP layer and the vision encoder (the published 2.78T).
+* ``total``: backbone parameters, EXCLUDING the MTP layer, the vision encoder and its projector (the published
+  2.78T).
 * ``active``: ``total`` minus the input embedding (a lookup, not a matmul) minus the routed experts' unselected
   share (each token uses ``num_experts_per_token / num_experts`` of every routed-expert stack) -- the published
   104.2B.
@@ -26,7 +27,8 @@ from typing import Any
 from torch import nn
 
 COMPONENTS = ("embedding", "kda", "mla", "dense_ffn", "shared_experts", "routed_experts", "router",
-              "latent_proj", "attnres", "norms", "lm_head", "mtp", "vision")
+              "latent_proj", "attnres", "norms", "lm_head", "mtp", "vision", "projector")
+NOT_BACKBONE = ("mtp", "vision", "projector")  # listed, but outside total / active (vision: encoder, projector)
 
 
 def _classify(fqn: str, cfg: Any) -> str:
@@ -39,8 +41,8 @@ def _classify(fqn: str, cfg: Any) -> str:
         return "lm_head"
     if head == "mtp":
         return "mtp"
-    if head in ("vision", "vision_tower", "vit"):
-        return "vision"
+    if head == "vision":
+        return "projector" if len(parts) > 1 and parts[1] == "projector" else "vision"
     if head == "final_attnres":
         return "attnres"
     if head == "norm":
@@ -71,7 +73,8 @@ def _classify(fqn: str, cfg: Any) -> str:
 def param_breakdown(model: nn.Module, cfg: Any) -> dict[str, Any]:
     """``{"total", "active", "total_with_mtp", "breakdown": {component: {"total", "active"}}}`` (ints).
 
-    Works on a meta-device model (only shapes are read). ``vision`` is 0 until a vision encoder is attached.
+    Works on a meta-device model (only shapes are read). ``vision`` (the MoonViT-V2 encoder) and ``projector``
+    are 0 for a text-only model.
     """
     totals = {c: 0 for c in COMPONENTS}
     for fqn, p in model.named_parameters():
@@ -81,12 +84,12 @@ def param_breakdown(model: nn.Module, cfg: Any) -> dict[str, Any]:
     if cfg.num_experts > 0:
         # integer: every layer's routed stack is num_experts equal experts
         active["routed_experts"] = totals["routed_experts"] // cfg.num_experts * cfg.num_experts_per_token
-    backbone = [c for c in COMPONENTS if c not in ("mtp", "vision")]
+    backbone = [c for c in COMPONENTS if c not in NOT_BACKBONE]
     return {
         "total": sum(totals[c] for c in backbone),
         "active": sum(active[c] for c in backbone),
         "total_with_mtp": sum(totals[c] for c in backbone) + totals["mtp"],
-        "breakdown": {c: {"total": totals[c], "active": active[c] if c not in ("mtp", "vision") else 0}
+        "breakdown": {c: {"total": totals[c], "active": active[c] if c not in NOT_BACKBONE else 0}
                       for c in COMPONENTS},
     }
 
@@ -146,3 +149,30 @@ def attention_flops_per_token(cfg: Any, seq_len: int, include_mtp: bool = True) 
 def model_flops_per_token(cfg: Any, seq_len: int, include_mtp: bool = True) -> float:
     """Training FLOPs (forward + backward = 3 x forward) per token for MFU."""
     return 3.0 * (2.0 * active_matmul_params(cfg, include_mtp) + attention_flops_per_token(cfg, seq_len, include_mtp))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# vision (MoonViT-V2 + projector), per media
+# --------------------------------------------------------------------------------------------------------------
+def vision_flops(grid: Any, vcfg: Any, d_model: int, projector: bool = True) -> int:
+    """Forward FLOPs of the vision tower on one media of ``grid = (t, h, w)`` patches (``vcfg`` a VisionConfig):
+    ``2 x`` the matmul parameters each patch passes through (patch embedding, q/k/v/o, MLP) per patch, ``2 x``
+    the projector's per merged token, plus attention ``4 H dh`` per (query, key) pair per layer: all ``(t h w)^2``
+    pairs for ``joint``; for ``factorised`` ``t (h w)^2`` within frames and, for clips (``t > 1``), a second
+    pass (its q/k/v/o projections too) over ``h w t^2`` pairs. Norms, softmax, RoPE and interpolation are not
+    counted (the planner's cost of a media; backward is about 2 x this). ``projector=False``: the encoder only."""
+    t, h, w = (int(x) for x in grid)
+    D, hd, L = vcfg.hidden_size, vcfg.num_attention_heads * vcfg.head_dim, vcfg.num_hidden_layers
+    m = vcfg.merge_size
+    n, hw, merged = t * h * w, h * w, (h // m) * (w // m)
+    attn_proj = 4 * D * hd  # q, k, v, o
+    per_layer = 2 * n * (attn_proj + 2 * D * vcfg.intermediate_size)
+    if vcfg.attention == "joint":
+        per_layer += 4 * hd * n * n
+    else:
+        per_layer += 4 * hd * t * hw * hw
+        if t > 1:
+            per_layer += 2 * n * attn_proj + 4 * hd * hw * t * t
+    patch = 2 * n * 3 * vcfg.patch_size ** 2 * D
+    proj = 2 * merged * (m * m * D * vcfg.projector_hidden_size + vcfg.projector_hidden_size * d_model)
+    return patch + L * per_layer + (proj if projector else 0)

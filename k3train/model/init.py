@@ -11,7 +11,8 @@ Rules (``std = init_std``, ``L = num_hidden_layers``), decided by module type an
 parameter is an error (so a new parameter kind must be given a rule here):
 
 =================================================  ========================================================
-RMSNorm ``weight``                                  ones
+RMSNorm / LayerNorm ``weight``                      ones
+vision ``pos_embed.weight`` (2D position table)     N(0, vision std)
 AttnRes pseudo-query ``query``                      zeros (every aggregation starts as a uniform average)
 KDA ``A_log`` (A_h)                                 zeros (spec: A_h init 0)
 KDA ``dt_bias`` (decay bias b_a)                    Mamba/Kimi-Linear style: per channel dt ~ LogUniform[1e-3, 1e-1]
@@ -26,6 +27,9 @@ every other matrix (Linear weights, embedding,      N(0, std)
   router, MTP ``eh_proj``, experts ``w_gate/w_up``)
 biases                                              zeros
 =================================================  ========================================================
+
+Under ``vision.`` (the MoonViT-V2 tower) ``std = vision.init_std``, ``L = vision.num_hidden_layers`` and the
+residual writers are the blocks' ``o_proj`` and ``fc2``.
 
 Buffers are reset too (a meta-built model's buffers are garbage after ``to_empty``): every module owning buffers
 must provide ``reset_buffers()`` (Router: zero bias and statistics; MLA: zero ``qk_max``). Parameter attributes the
@@ -45,9 +49,11 @@ from k3train.model.attnres import AttnRes
 from k3train.model.conv import ShortConv
 from k3train.model.kda import KDALayer
 from k3train.model.norm import RMSNorm
+from k3train.model.vit import PositionEmbedding2D
 
 # parameter names (last FQN component, with their owner's attribute name) that write into the residual stream
 _OUTPUT_PROJ_OWNERS = ("o_proj", "w_down", "latent_up")
+_VISION_OUTPUT_PROJ_OWNERS = ("o_proj", "fc2")  # the vision blocks' residual writers (std / sqrt(2 vision layers))
 DT_MIN, DT_MAX = 1e-3, 1e-1
 
 
@@ -80,14 +86,20 @@ def decay_bias(n: int, form: str, lower_bound: float, g: torch.Generator) -> tor
     raise ValueError(f"model.kda_decay_form must be 'lower_bounded' or 'softplus', got {form!r}")
 
 
-def _rule(module: nn.Module, mod_name: str, pname: str, cfg: Any) -> Callable[[tuple[int, ...], torch.Generator],
-                                                                              torch.Tensor]:
+def _rule(module: nn.Module, mod_name: str, pname: str, cfg: Any,
+          vcfg: Any = None) -> Callable[[tuple[int, ...], torch.Generator], torch.Tensor]:
     """The fill function for parameter ``pname`` of ``module`` (see the table in the module docstring)."""
     std = cfg.init_std
     out_std = std / math.sqrt(2 * cfg.num_hidden_layers)
+    out_owners = _OUTPUT_PROJ_OWNERS
+    if vcfg is not None and mod_name.split(".", 1)[0] == "vision":  # the vision tower: its own std and depth
+        std, out_owners = vcfg.init_std, _VISION_OUTPUT_PROJ_OWNERS
+        out_std = std / math.sqrt(2 * vcfg.num_hidden_layers)
     owner = mod_name.rsplit(".", 1)[-1]
-    if isinstance(module, RMSNorm) and pname == "weight":
+    if isinstance(module, (RMSNorm, nn.LayerNorm)) and pname == "weight":
         return lambda shape, g: torch.ones(shape)
+    if isinstance(module, PositionEmbedding2D) and pname == "weight":
+        return lambda shape, g: _normal(shape, std, g)
     if isinstance(module, AttnRes) and pname == "query":
         return lambda shape, g: torch.zeros(shape)
     if isinstance(module, KDALayer) and pname == "A_log":
@@ -100,7 +112,7 @@ def _rule(module: nn.Module, mod_name: str, pname: str, cfg: Any) -> Callable[[t
     if pname == "bias":
         return lambda shape, g: torch.zeros(shape)
     if isinstance(module, (nn.Linear, nn.Embedding)) and pname == "weight":
-        s = out_std if owner in _OUTPUT_PROJ_OWNERS else std
+        s = out_std if owner in out_owners else std
         return lambda shape, g: _normal(shape, s, g)
     if type(module).__name__ == "Router" and pname == "weight":
         return lambda shape, g: _normal(shape, std, g)
@@ -113,13 +125,15 @@ def _rule(module: nn.Module, mod_name: str, pname: str, cfg: Any) -> Callable[[t
 
 @torch.no_grad()
 def init_model_weights(model: nn.Module, cfg: Any, seed: int) -> None:
-    """Initialise every parameter of ``model`` by the rules above and reset every buffer (no communication)."""
+    """Initialise every parameter of ``model`` by the rules above and reset every buffer (no communication).
+    A model with a vision tower carries its VisionConfig as ``model.vision_cfg`` (its std and depth)."""
+    vcfg = getattr(model, "vision_cfg", None)
     for mod_name, module in model.named_modules():
         for pname, p in module.named_parameters(recurse=False):
             fqn = f"{mod_name}.{pname}" if mod_name else pname
             if p.is_meta:
                 raise ValueError(f"init_weights: parameter {fqn!r} is on the meta device; call to_empty() first")
-            fill = _rule(module, mod_name, pname, cfg)
+            fill = _rule(module, mod_name, pname, cfg, vcfg)
             if type(module).__name__ == "GroupedExperts":
                 offset = int(getattr(module, "expert_offset", 0))
                 for e in range(p.shape[0]):

@@ -1,12 +1,14 @@
 """``K3Model``: the Kimi K3 backbone (+ optional MTP layer) as a plain ``nn.Module`` with pipeline seams.
 
-    tokens -> embed_tokens -> AttnResState(blocks=[emb])
+    tokens -> embed_tokens (+ vision: media -> MoonViT-V2 + projector -> the placeholder positions)
+           -> AttnResState(blocks=[emb])
            -> layers.0 .. layers.{L-1}          (K3Layer: KDA or Gated MLA + dense FFN or LatentMoE, Block AttnRes)
            -> final_attnres (aggregate all blocks + partial) -> norm -> lm_head -> logits
            -> mtp (optional): predicts token t+2 from [final aggregation ; Emb(token t+1)]
 
 The stage seam is the :class:`AttnResState` (completed blocks + partial sum): a pipeline stage runs
-``forward_layers(state, start, end, seq)`` for any cut; the first stage calls ``embed`` and the last
+``forward_layers(state, start, end, seq)`` for any cut; the first stage calls ``embed_batch`` (``embed`` +
+the vision encoder on the micro-batch's media) and the last
 ``loss_sums``. ``layers`` is an ``nn.ModuleDict`` keyed by the global layer index so a pruned model (pipeline
 chunk) keeps the full model's FQNs; pruned top-level parts are set to ``None``.
 
@@ -26,9 +28,11 @@ from torch.utils.checkpoint import checkpoint
 from k3train.model.attnres import AttnRes, AttnResState
 from k3train.model.block import K3Layer
 from k3train.model.init import init_model_weights
+from k3train.model.media import MediaInputs
 from k3train.model.mtp import MTPLayer
 from k3train.model.norm import RMSNorm
 from k3train.model.seq import SeqInfo
+from k3train.model.vit_tower import VisionTower
 
 CE_CHUNK_TOKENS = 8192  # tokens per LM-head + cross-entropy chunk (bounds the live fp32 logits to 8192 x vocab)
 
@@ -66,13 +70,16 @@ def lm_head_ce_sum(hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tenso
 
 
 class K3Model(nn.Module):
-    """The K3 language model. ``cfg`` is a validated :class:`k3train.config.ModelConfig`.
+    """The K3 language model. ``cfg`` is a validated :class:`k3train.config.ModelConfig`; ``vision`` (optional)
+    the validated :class:`k3train.config.VisionConfig`: when enabled the model holds ``vision`` (a
+    :class:`VisionTower`: ``vision.encoder`` + ``vision.projector``) beside ``embed_tokens``, on the first pipeline
+    stage like it (pruned chunks set it to ``None``).
 
-    Public methods (the contract's model seams): ``embed``, ``forward_layers``, ``final_hidden``, ``loss_sums``,
-    ``forward``, ``init_weights``. No torch.distributed calls; parallelism is applied from outside.
+    Public methods (the contract's model seams): ``embed``, ``embed_batch``, ``encode_media``, ``forward_layers``,
+    ``final_hidden``, ``loss_sums``, ``forward``, ``init_weights``. No torch.distributed calls; parallelism is applied from outside.
     """
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, vision: Any = None) -> None:
         super().__init__()
         L = cfg.num_hidden_layers
         if len(cfg.kda_layers) + len(cfg.full_attn_layers) != L:
@@ -86,6 +93,12 @@ class K3Model(nn.Module):
         self.recompute = cfg.attn_res_recompute
         self.residual = cfg.residual
         self.embed_tokens: nn.Embedding | None = nn.Embedding(V, d)
+        self.vision_cfg = vision if vision is not None and vision.enabled else None
+        self.media_placeholder_token_id = cfg.media_placeholder_token_id
+        if self.vision_cfg is not None and not 0 <= self.media_placeholder_token_id < V:
+            raise ValueError(f"vision needs model.media_placeholder_token_id in [0, {V}), got "
+                             f"{self.media_placeholder_token_id}")
+        self.vision: VisionTower | None = VisionTower(self.vision_cfg, d) if self.vision_cfg is not None else None
         self.layers = nn.ModuleDict({str(i): K3Layer(cfg, i) for i in range(L)})
         self.final_attnres: AttnRes | None = AttnRes(d, cfg.rms_norm_eps) if self.residual == "attnres" else None
         self.norm: RMSNorm | None = RMSNorm(d, cfg.rms_norm_eps)
@@ -94,12 +107,68 @@ class K3Model(nn.Module):
 
     # ---------------------------------------------------------------------------------------------------------
     # stage seams
-    def embed(self, tokens: torch.Tensor) -> AttnResState:
+    def encode_media(self, media: MediaInputs) -> torch.Tensor:
+        """The vision tower on ``media``: ``[media.num_tokens(), d]`` embeddings in placeholder order (kept
+        separate from :meth:`embed` so a pipeline schedule can run the encoder on its own)."""
+        if self.vision is None:
+            raise RuntimeError("encode_media() called on a model (chunk) without a vision tower (vision.enabled)")
+        return self.vision(media)
+
+    def scatter_media(self, tokens: torch.Tensor, emb: torch.Tensor, media_embeds: torch.Tensor) -> torch.Tensor:
+        """``emb [B, T, d]`` with the positions where ``tokens == media_placeholder_token_id`` replaced, in
+        row-major order, by the rows of ``media_embeds [n, d]`` (``n`` must equal the placeholder count)."""
+        mask = tokens == self.media_placeholder_token_id
+        n = int(mask.sum())
+        if n != media_embeds.shape[0]:
+            raise ValueError(f"the tokens hold {n} media placeholders (id {self.media_placeholder_token_id}) but "
+                             f"the media give {media_embeds.shape[0]} embeddings")
+        return emb.masked_scatter(mask.unsqueeze(-1), media_embeds.to(emb.dtype))
+
+    def slice_media_embeds(self, tokens: torch.Tensor, media_embeds: torch.Tensor,
+                           offsets: torch.Tensor) -> torch.Tensor:
+        """The rows of ``media_embeds`` (all media of the FULL micro-batch rows) that a context-parallel slice's
+        placeholders take: row ``b``'s ``k``-th placeholder in ``tokens [B, T/cp]`` takes embedding
+        ``offsets[b] + k`` (:attr:`k3train.data.batch.Batch.media_offsets`). Gathered with ``index_select``, so
+        the encoder's gradient gets exactly this slice's contributions (the dp_cp reduction sums the slices)."""
+        mask = tokens == self.media_placeholder_token_id
+        idx = (offsets.to(tokens.device).unsqueeze(1) + mask.long().cumsum(dim=1) - 1)[mask]
+        if idx.numel() and int(idx.max()) >= media_embeds.shape[0]:
+            raise ValueError(f"a CP slice's placeholders need media embedding {int(idx.max())} but the media give "
+                             f"{media_embeds.shape[0]}")
+        return media_embeds.index_select(0, idx)
+
+    def embed_batch(self, batch: Any) -> AttnResState:
+        """The first pipeline stage's input for a micro-batch (every runner calls this). A text-only model:
+        ``embed(batch.tokens)`` (any media ignored). With vision the encoder always runs, on ``batch.media`` or
+        on ``MediaInputs.empty()`` when the micro-batch has none (every rank runs the same program), and the
+        placeholders take the projected embeddings; a CP slice (``batch.media_offsets`` set) encodes every media
+        of its rows and takes only the embeddings of its own placeholders (:meth:`slice_media_embeds`)."""
+        if self.vision is None:
+            return self.embed(batch.tokens)
+        media = getattr(batch, "media", None)
+        if media is None:
+            media = MediaInputs.empty(self.vision_cfg.patch_size)
+        embeds = self.encode_media(media)
+        offsets = getattr(batch, "media_offsets", None)
+        if offsets is not None:
+            embeds = self.slice_media_embeds(batch.tokens, embeds, offsets)
+        return self.embed(batch.tokens, media_embeds=embeds)
+
+    def embed(self, tokens: torch.Tensor, media: MediaInputs | None = None,
+              media_embeds: torch.Tensor | None = None) -> AttnResState:
         """``tokens [B, T]`` -> the state before layer 0 (``blocks = [embedding]``, no partial sum; standard
-        residual: ``partial = embedding``, no blocks)."""
+        residual: ``partial = embedding``, no blocks). With ``media`` (encoded here) or precomputed
+        ``media_embeds`` (from :meth:`encode_media`), the media placeholders take the vision embeddings;
+        with neither the embedding is text-only (placeholders keep their token embedding)."""
         if self.embed_tokens is None:
             raise RuntimeError("embed() called on a model chunk without embed_tokens")
+        if media is not None and media_embeds is not None:
+            raise ValueError("embed(): pass media or media_embeds, not both")
         emb = self.embed_tokens(tokens)
+        if media is not None:
+            media_embeds = self.encode_media(media)
+        if media_embeds is not None:
+            emb = self.scatter_media(tokens, emb, media_embeds)
         if self.residual == "standard":
             return AttnResState(blocks=[], partial=emb)
         return AttnResState(blocks=[emb], partial=None)
@@ -160,7 +229,7 @@ class K3Model(nn.Module):
         """Single-process reference: embed -> all layers -> loss sums, plus ``loss`` = the micro-batch's own mean
         (``lm_loss_sum / lm_tokens + mtp_loss_weight * mtp_loss_sum / mtp_tokens``)."""
         seq = SeqInfo.from_doc_ids(batch.doc_ids, batch.positions)
-        state = self.forward_layers(self.embed(batch.tokens), 0, self.cfg.num_hidden_layers, seq)
+        state = self.forward_layers(self.embed_batch(batch), 0, self.cfg.num_hidden_layers, seq)
         out = self.loss_sums(state, batch, seq)
         loss = out["lm_loss_sum"] / out["lm_tokens"].clamp_min(1)
         if self.mtp is not None:

@@ -12,8 +12,9 @@ compute (the K3 report overlaps dispatch/combine with compute). Every field is o
 
 ``cpu``: one torchrun rank per process on this host; everything is measured once and cached in a JSON file
 (``~/.cache/k3train/cpu_calibration.json`` or ``--calibration FILE``), keyed by host, cores and torch version:
-matmul FLOP/s at the thread count a rank gets, copy bandwidth, and gloo point-to-point and all-reduce latency and
-bandwidth between two local processes. Per-layer and per-parameter times of a config are measured separately
+matmul FLOP/s at the thread count a rank gets, copy bandwidth, gloo point-to-point and all-reduce latency and
+bandwidth between two local processes, and how fast a rank computes while ``n`` ranks compute at once
+(``concurrency``: :meth:`Device.rank_speed`). Per-layer and per-parameter times of a config are measured separately
 (:mod:`k3train.planning.layer_bench`), since framework overhead, not FLOPs, dominates CPU-sized models.
 """
 from __future__ import annotations
@@ -56,6 +57,24 @@ class Device:
 
     def flops(self) -> float:
         return self.peak_flops * self.compute_eff
+
+    @property
+    def shares_cores(self) -> bool:
+        """cpu: the ranks of the host compete for its cores (a GPU each otherwise)."""
+        return self.is_cpu and self.cores > 0
+
+    def rank_speed(self, busy: int) -> float:
+        """A rank's compute speed (1 = alone on the host) while ``busy`` ranks compute at once. cpu: the
+        calibrated curve ``calibration['concurrency'][n]`` (``bench_concurrency``), extended past its last point
+        by processor sharing; plain ``min(1, cores / (threads x busy))`` without one. GPUs: 1."""
+        if not self.shares_cores:
+            return 1.0
+        n = max(1, busy) * self.threads
+        curve = {int(k): float(v) for k, v in self.calibration.get("concurrency", {}).items()}
+        if not curve:
+            return min(1.0, self.cores / n)
+        top = max(curve)
+        return curve[n] if n in curve else curve[top] * top / n if n > top else min(1.0, self.cores / n)
 
     def link(self, intra: bool) -> tuple[float, float]:
         """``(latency s, bandwidth bytes/s)`` of a link inside (``intra``) or across nodes."""
@@ -222,6 +241,59 @@ def bench_gloo() -> dict[str, float]:
     return {"p2p_latency_s": r["p2p_small"], "p2p_bw": p2p_bw, "coll_latency_s": ar_lat, "coll_bw": ar_bw}
 
 
+def _busy_worker(idx: int, threads: int, barrier: Any, out: Any) -> None:
+    """One of ``n`` processes of :func:`bench_concurrency`: the same workload, started together."""
+    import torch
+
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(idx)
+    x = torch.randn(256, 128, generator=g)
+    w1 = torch.randn(128, 384, generator=g, requires_grad=True)
+    w2 = torch.randn(384, 128, generator=g, requires_grad=True)
+
+    def work() -> None:
+        # the op mix of a CPU-sized layer: small matmuls, elementwise, a reduction, autograd
+        for _ in range(12):
+            h = torch.nn.functional.gelu(x @ w1)
+            y = torch.softmax(h @ w2, dim=-1) * x
+            y.square().mean().backward()
+            w1.grad = w2.grad = None
+
+    work()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for _ in range(6):
+        work()
+    out[idx] = time.perf_counter() - t0
+
+
+def bench_concurrency(max_procs: int, threads: int) -> dict[str, float]:
+    """``{n: speed}`` for ``n = 1..max_procs``: the median per-process speed, relative to one process alone, of
+    ``n`` processes running the same small-op workload at once (made monotone: more ranks never run faster)."""
+    import multiprocessing as mp
+
+    # forked from a server that imported torch once: a worker starts in milliseconds, not an import's seconds
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch"])
+    times: dict[int, float] = {}
+    for n in range(1, max_procs + 1):
+        barrier, out = ctx.Barrier(n), ctx.Array("d", n)
+        procs = [ctx.Process(target=_busy_worker, args=(i, threads, barrier, out)) for i in range(n)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        if any(p.exitcode != 0 for p in procs):
+            raise RuntimeError(f"cpu concurrency calibration: a worker of {n} failed")
+        ts = sorted(out[:])
+        times[n] = ts[len(ts) // 2]
+    curve, best = {}, 1.0
+    for n in range(1, max_procs + 1):
+        best = min(best, times[1] / times[n])
+        curve[str(n)] = best
+    return curve
+
+
 def calibrate_cpu(world_size: int, path: Path, log: Any = print) -> Device:
     """The ``cpu`` device for ``world_size`` ranks on this host (measured once per host and thread count)."""
     cores = cores_available()
@@ -233,6 +305,15 @@ def calibrate_cpu(world_size: int, path: Path, log: Any = print) -> Device:
     if cal is None:
         log(f"calibrating cpu (matmul, copy, gloo between 2 processes; cached in {path}) ...")
         cal = {"matmul_flops": bench_matmul(threads), "copy_bw": bench_copy(), **bench_gloo()}
+        data.setdefault(key, {})["machine"] = cal
+        save_cache(path, data)
+    # ranks competing for the cores: measured up to this many processes (2 to 4 x the cores; processor sharing
+    # extends the curve past that)
+    procs = max(1, min(max(world_size, 2 * cores), 4 * cores) // threads)
+    if len(cal.get("concurrency", {})) < procs:
+        log(f"calibrating cpu concurrency: 1..{procs} processes at once ...")
+        cal["concurrency"] = bench_concurrency(procs, threads)
+        data = load_cache(path)
         data.setdefault(key, {})["machine"] = cal
         save_cache(path, data)
     try:

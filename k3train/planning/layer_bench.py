@@ -43,7 +43,7 @@ def _model(cfg: Any, ep: int) -> torch.nn.Module:
     from k3train.planning.memory import _ShardDispatcher
 
     torch.manual_seed(0)
-    m = K3Model(cfg.model)
+    m = K3Model(cfg.model, cfg.vision)
     if ep > 1:
         from moonep.shard import _latent_moes, shard_experts
 

@@ -199,7 +199,7 @@ def build_full(cfg: Config, ep: int, ep_rank: int, fake: FakeTensorMode) -> nn.M
     from k3train.parallelize import cast_params_to_bf16
 
     with fake:
-        m = K3Model(cfg.model)
+        m = K3Model(cfg.model, cfg.vision)
         if ep > 1:
             from moonep.shard import _latent_moes, shard_experts
 

@@ -12,7 +12,9 @@ Order of work (cheapest first, every skip exact):
    (same everything, strictly more compute): skipped (``skipped: 'dominated'``).
 4. Memory: :func:`k3train.planning.memory.estimate` (the real code on fake tensors) for each simulated layout that
    could enter the ranking, with an :class:`EstimateCache` shared by all (fake full model per ep, per-layer fits,
-   optimizer transients) -- ``fits`` = worst rank's peak <= device memory.
+   optimizer transients) -- ``fits`` = worst rank's peak <= device memory. A layout traced too big sends its
+   recompute twin to the front of the queue and marks its lower-ZeRO twins too big without a trace
+   (``skipped: 'zero twin too big'``: ZeRO-0/1 shard less than ZeRO-2, so they hold at least as much per rank).
 
 ``--exhaustive`` simulates and traces every layout (small spaces; the tests use it).
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -150,7 +153,7 @@ class Planner:
         for r in rows:
             part = val.partition(r.cfg)
             r.mem_bound = static_memory_lower_bound(facts, r.cfg, part, r.layout.pp, r.layout.dp * r.layout.cp,
-                                                    r.layout.ep, r.layout.zero)
+                                                    r.layout.ep, r.layout.zero, r.layout.moonep)
             if r.mem_bound > self.dev.hbm_bytes:
                 r.fits, r.skipped = False, "bound"
         n_bound = sum(r.skipped == "bound" for r in rows)
@@ -170,7 +173,22 @@ class Planner:
         fits_norc: set[Layout] = set()
         t_sim = t_mem = 0.0
         n_traced = 0
-        for r in live:
+        by_layout = {r.layout: r for r in live}
+        seen: set[Layout] = set()
+        urgent: deque[Row] = deque()  # recompute twins of layouts found too big: examined next
+
+        def rows_in_order():  # noqa: ANN202
+            i = 0
+            while urgent or i < len(live):
+                if urgent:
+                    r = urgent.popleft()
+                else:
+                    r, i = live[i], i + 1
+                if r.layout not in seen:
+                    seen.add(r.layout)
+                    yield r
+
+        for r in rows_in_order():
             kth = sorted(fitting)[self.top - 1] if len(fitting) >= self.top else math.inf
             if not self.exhaustive and r.lower_bound_s >= kth:
                 r.skipped = "slower"
@@ -202,16 +220,21 @@ class Planner:
                 fitting.append(r.pred.step_s)
                 if not lay.recompute:
                     fits_norc.add(lay)
+            elif not self.exhaustive:
+                self._too_big_follow_ups(r, by_layout, seen, urgent)
         if self.lt is not None:
             self.lt.save()
         counts = {k: sum(r.skipped == k for r in rows)
-                  for k in ("slower", "dominated", "trace budget", "simulation budget")}
+                  for k in ("slower", "dominated", "trace budget", "simulation budget", "zero twin too big")}
         if counts["slower"]:
             notes.append(f"{counts['slower']} layouts not simulated/traced: their step-time lower bound (or "
                          f"prediction) is above the {self.top}th fitting layout's prediction")
         if counts["dominated"]:
             notes.append(f"{counts['dominated']} recompute layouts skipped: their twin without recompute fits and "
                          f"is faster")
+        if counts["zero twin too big"]:
+            notes.append(f"{counts['zero twin too big']} layouts not traced: the same layout with a higher ZeRO "
+                         f"stage (less memory per rank) was traced too big")
         if counts["trace budget"]:
             notes.append(f"{counts['trace budget']} layouts predicted but not traced: memory trace budget "
                          f"({self.trace_budget_s:.0f} s) spent")
@@ -225,6 +248,25 @@ class Planner:
         return PlanResult(rows=rows, world=self.world, device=self.dev, base_cfg=base, candidates=checked,
                           seconds=secs, notes=notes)
 
+    @staticmethod
+    def _too_big_follow_ups(r: Row, by_layout: dict[Layout, Row], seen: set[Layout], urgent: deque) -> None:
+        """After ``r`` was traced too big: its lower-ZeRO twins (which shard less, so hold at least as much per
+        rank) are too big without a trace, and its recompute twin -- the layout that keeps the same parallelism
+        within memory, slower by about one extra forward -- is examined next instead of when its step-time bound
+        comes up (at K3 scale no layout without recompute fits, and the budget would go to more of them)."""
+        from dataclasses import replace
+
+        lay = r.layout
+        for z in range(lay.zero):
+            twin = by_layout.get(replace(lay, zero=z))
+            if twin is not None and twin.layout not in seen:
+                seen.add(twin.layout)
+                twin.fits, twin.skipped = False, "zero twin too big"
+        if not lay.recompute:
+            rc = by_layout.get(replace(lay, recompute=True))
+            if rc is not None and rc.layout not in seen:
+                urgent.append(rc)
+
     def trace(self, r: Row) -> None:
         from k3train.planning.memory import estimate
 
@@ -234,6 +276,47 @@ class Planner:
         r.peak_bytes = max(x.peak for x in est.ranks)
         r.stage_peaks = [max(x.peak for x in est.ranks if x.pp_rank == p) for p in range(r.layout.pp)]
         r.fits = r.peak_bytes <= self.dev.hbm_bytes
+
+
+def _core(r: Row) -> tuple:
+    L = r.layout
+    return (L.pp, L.vpp, L.dp, L.cp, L.ep, L.mbs, L.recompute)
+
+
+def first_fitting(planner: "Planner", res: PlanResult, rows: Any, k: int, predict_one: Any,
+                  distinct: bool = False) -> list[Row]:
+    """The first ``k`` of ``rows`` that FIT -- predicted and traced here where branch and bound skipped them --
+    with ``distinct``, at most one per parallel core ``(pp, vpp, dp, cp, ep, micro-batch, recompute)``."""
+    picked: list[Row] = []
+    seen: set[tuple] = set()
+    for r in rows:
+        if len(picked) >= k:
+            break
+        if distinct and _core(r) in seen:
+            continue
+        if r.pred is None:
+            r.skipped, r.pred = "", predict_one(planner, r, res)
+        if r.peak_bytes is None:
+            planner.trace(r)
+        if r.fits:
+            picked.append(r)
+            seen.add(_core(r))
+    return picked
+
+
+def distinct_top(planner: "Planner", res: PlanResult, k: int, predict_one: Any) -> list[Row]:
+    """The ``k`` fastest FITTING layouts with distinct parallel cores -- what ``--measure`` runs. Schedule / ZeRO /
+    MoonEP variants of one core are predicted within a percent of each other, so a measured set of them would
+    check noise, not the ranking. Rows are taken in predicted order (step-time bound where not simulated)."""
+    cand = sorted((r for r in res.rows if r.skipped != "bound"),
+                  key=lambda r: (r.pred.step_s if r.pred is not None else r.lower_bound_s))
+    return sorted(first_fitting(planner, res, cand, k, predict_one, distinct=True), key=lambda r: r.pred.step_s)
+
+
+def slowest_fitting(planner: "Planner", res: PlanResult, k: int, predict_one: Any) -> list[Row]:
+    """The ``k`` fitting layouts with the largest step-time lower bounds (so the measured set spans the ranking)."""
+    slow = sorted((r for r in res.rows if r.skipped != "bound"), key=lambda r: -r.lower_bound_s)
+    return first_fitting(planner, res, slow, k, predict_one)
 
 
 def _twin(lay: Layout) -> Layout:

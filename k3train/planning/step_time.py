@@ -23,8 +23,10 @@ Per virtual stage and micro-batch (``B = micro_batch_size`` rows of ``T = seq_le
 The schedule: :func:`parallel.pipeline.p2p.build_programs` gives every pipeline rank's real program (receives
 posted, computes, sends); :func:`simulate_programs` executes those programs event by event -- a compute starts
 when its inputs have arrived, a send occupies its link -- so the bubble is the real schedule's. On a CPU the ranks
-of the host share its cores (processor sharing: every busy rank, including the dp x cp replicas of each pipeline
-rank, runs at ``min(1, cores / (threads x busy ranks))``).
+of the host share its cores: while ``n`` ranks compute (every busy pipeline rank times its dp x cp replicas), each
+runs at ``Device.rank_speed(n)`` -- measured on this host (``devices.bench_concurrency``: n processes running the
+same small-op workload), which is below plain processor sharing ``min(1, cores / n)``: ranks also compete for
+caches and memory bandwidth, and past the core count the scheduler's switching costs more.
 
 After the pipeline: gradients (parameter dtype) all-reduced over ``dp_cp`` (dense) and ``edp`` (routed experts) at
 ZeRO 0/1; at ZeRO-2 reduced to owners per chunk as soon as the chunk's last backward ends (overlapping the rest of
@@ -37,7 +39,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from k3train.planning.devices import Device
 
@@ -77,14 +79,16 @@ class ParamFacts:
         from moonep.shard import is_expert_param, mark_expert_params
 
         with torch.device("meta"):
-            m = K3Model(cfg.model)
+            m = K3Model(cfg.model, cfg.vision)
         mark_expert_params(m)
         infos = build_param_infos([m], cfg.optim)
         pieces: dict[Any, list[float]] = {}
         piece_of = {}
         for inf in infos:
             head = inf.fqn.split(".")
-            key: Any = int(head[1]) if head[0] == "layers" else ("embed" if head[0] == "embed_tokens" else "head")
+            # the vision tower lives with the embedding on the first stage
+            key: Any = int(head[1]) if head[0] == "layers" else (
+                "embed" if head[0] in ("embed_tokens", "vision") else "head")
             piece_of[inf.fqn] = key
             p = pieces.setdefault(key, [0.0, 0.0, 0.0, 0.0, 0.0])
             ex = is_expert_param(inf.param)
@@ -108,6 +112,14 @@ class ParamFacts:
                     keys.append("embed")  # the MTP's copy of the shared embedding (stage.shares_embedding)
         return keys
 
+    def chunk_numel(self, part: Any, v: int, ep: int) -> float:
+        """Parameters (experts: this rank's 1/ep) of virtual stage ``v``."""
+        s, e = part.bounds[v]
+        keys: list[Any] = list(range(s, e)) + (["embed"] if v == 0 else [])
+        if v == part.num_stages - 1:
+            keys += ["head"] + (["embed"] if part.pp > 1 and v != 0 else [])
+        return sum(self.pieces.get(k, [0.0] * 5)[0] + self.pieces.get(k, [0.0] * 5)[1] / ep for k in keys)
+
     def stage_numel(self, part: Any, pp_rank: int, ep: int) -> tuple[float, float, float]:
         """``(dense, expert on this rank, largest dense parameter)``."""
         d = e = big = 0.0
@@ -118,21 +130,32 @@ class ParamFacts:
 
 
 def static_memory_lower_bound(facts: ParamFacts, cfg: Any, part: Any, pp: int, dpcp: int, ep: int,
-                              zero: int) -> int:
+                              zero: int, moonep: bool = False) -> int:
     """A lower bound on the worst rank's peak from parameters, gradients and optimizer state alone (the memory
     estimator's byte rules: parameter-dtype weights and gradients, fp32 master copies of non-fp32 weights, Muon 1
-    / AdamW 2 fp32 states -- counted as Muon for all, a lower bound; owners' shares at least the mean)."""
+    / AdamW 2 fp32 states -- counted as Muon for all, a lower bound; owners' shares at least the mean). At ZeRO-2
+    a chunk's gradients are whole from its first backward until they are reduce-scattered after its last one: the
+    largest local chunk's full gradients are counted on top of the shards. With MoonEP, the replica pool's two
+    banks of one MoE layer's local experts (``E / ep`` of them) are always allocated."""
     es = 2 if cfg.train.dtype == "bfloat16" else 4
     master = 4 if es != 4 else 0
+    edp = max(1, dpcp // ep)
+    pool = 0.0
+    if moonep and ep > 1:
+        pool = 2 * max((v[1] for v in facts.pieces.values()), default=0.0) / ep * es
     best = 0.0
     for r in range(pp):
         d, e, _ = facts.stage_numel(part, r, ep)
         n = d + e
-        grads = n * es if zero < 2 else (d / dpcp + e / max(1, dpcp // ep)) * es
+        if zero < 2:
+            grads = n * es
+        else:
+            chunk = max((facts.chunk_numel(part, v, ep) for v in part.local_stages(r)), default=0.0)
+            grads = (d / dpcp + e / edp) * es + chunk * es * (1 - 1 / edp)  # the chunk's own shard counted once
         opt = n * (4 + master)
         if zero >= 1:
-            opt = (d / dpcp + e / max(1, dpcp // ep)) * (4 + master)
-        best = max(best, n * es + grads + opt)
+            opt = (d / dpcp + e / edp) * (4 + master)
+        best = max(best, n * es + grads + opt + pool)
     return int(best)
 
 
@@ -335,9 +358,10 @@ def _precompiled(programs: list[list[Any]], pp: int, vpp: int) -> list[list[tupl
 
 
 def simulate_programs(programs: list[list[Any]], pp: int, vpp: int, costs: ActionCosts, replicas: int,
-                      cores: int, threads: int) -> SimOut:
+                      speed: Callable[[int], float] | None = None) -> SimOut:
     """Event-driven run of every pipeline rank's program (module docstring). ``replicas``: ranks doing the same
-    work at the same time (dp x cp); with ``cores`` > 0 all busy ranks share them."""
+    work at the same time (dp x cp); ``speed(n)``: a rank's speed (1 = alone) while ``n`` ranks of the host
+    compute (:meth:`Device.rank_speed`; None: a device each)."""
     progs = _precompiled(programs, pp, vpp)
     inf = float("inf")
     pos = [0] * pp
@@ -395,9 +419,7 @@ def simulate_programs(programs: list[list[Any]], pp: int, vpp: int, costs: Actio
     settle()
     while not all(done):
         busy = [r for r in range(pp) if running[r] is not None]
-        rate = 1.0
-        if cores > 0 and busy:
-            rate = min(1.0, cores / (threads * len(busy) * replicas))
+        rate = speed(len(busy) * replicas) if speed is not None and busy else 1.0
         t_next = min((t + rem[r] / rate for r in busy), default=inf)
         for r in range(pp):
             if wait[r]:
@@ -484,7 +506,7 @@ def predict(cfg: Any, lay: Any, part: Any, programs: list[list[Any]], dev: Devic
     plan = AttnResCommPlan(part, cfg.parallel.attnres_comm) if lay.pp > 1 else None
     costs = action_costs(cfg, dev, lay, part, plan, layer_times, skew)
     dpcp = lay.dp * lay.cp
-    sim = simulate_programs(programs, lay.pp, part.vpp, costs, dpcp, dev.cores if dev.is_cpu else 0, dev.threads)
+    sim = simulate_programs(programs, lay.pp, part.vpp, costs, dpcp, dev.rank_speed if dev.shares_cores else None)
     es = 2 if cfg.train.dtype == "bfloat16" else 4
     finish, opt, bcast = [], [], []
     for r in range(lay.pp):
@@ -504,7 +526,8 @@ def predict(cfg: Any, lay: Any, part: Any, programs: list[list[Any]], dev: Devic
             finish.append(max(sim.end[r], t_link))
         else:
             finish.append(sim.end[r] + ring_time("all_reduce", d * es, dg, dev) + ring_time("all_reduce", e * es, eg, dev))
-        opt.append(optimizer_seconds(facts, cfg, dev, part, r, lay, opt_times))
+        # every rank of the host updates at the same time
+        opt.append(optimizer_seconds(facts, cfg, dev, part, r, lay, opt_times) / dev.rank_speed(lay.pp * dpcp))
         bcast.append(0.0 if lay.zero == 0 else
                      ring_time("all_gather", d * es, dg, dev) + ring_time("all_gather", e * es, eg, dev))
     # per-step small collectives: loss sums, grad norm (dp_cp + pp), QB histograms per MoE layer, QK-clip max
@@ -547,6 +570,6 @@ def compute_lower_bound(cfg: Any, lay: Any, part: Any, dev: Device, facts: Param
     ko = ("lbo", id(part), lay.ep, lay.zero, lay.dp * lay.cp, id(facts), id(dev), id(opt_times))
     if ko not in _MEMO:
         _MEMO[ko] = (max(optimizer_seconds(facts, cfg, dev, part, r, lay, opt_times) for r in range(lay.pp)), part)
-    rate = min(1.0, dev.cores / (dev.threads * lay.dp * lay.cp)) if dev.is_cpu and dev.cores else 1.0
+    rate = dev.rank_speed(lay.dp * lay.cp)  # at least the busiest rank's replicas compute with it
     busy, chain, _ = _MEMO[kb]
-    return max(busy / rate, chain) + _MEMO[ko][0]
+    return max(busy / rate, chain) + _MEMO[ko][0] / dev.rank_speed(lay.pp * lay.dp * lay.cp)

@@ -155,7 +155,7 @@ class LocalRunner(StepRunner):
         return stats
 
     def _run(self, batch: Any, seq: Any) -> dict[str, torch.Tensor]:
-        state = self.model.forward_layers(self.model.embed(batch.tokens), 0, self.partition.num_layers, seq)
+        state = self.model.forward_layers(self.model.embed_batch(batch), 0, self.partition.num_layers, seq)
         return self.model.loss_sums(state, batch, seq)
 
     @torch.no_grad()
@@ -324,7 +324,9 @@ class PipelineRunner(StepRunner):
         model = self.model
 
         def run() -> Any:
-            state = (model.embed(batch.tokens) if first
+            # the first stage embeds (a vision model: the encoder on batch.media runs here, so its backward
+            # runs inside this stage's backward and its parameters are this chunk's)
+            state = (model.embed_batch(batch) if first
                      else self.state_cls(blocks=list(inp.blocks), partial=inp.partial))
             state = model.forward_layers(state, s, e, seq)
             return model.loss_sums(state, batch, seq) if last else state
@@ -379,7 +381,7 @@ def build_step_runner(model: nn.Module | Callable[[], nn.Module] | None, cfg: An
 
     Args:
         model: a zero-argument factory (built on meta, pruned, materialised on ``device``, ``init_weights(seed)``),
-            a model instance (pruned in place, not re-initialised), or ``None`` for ``K3Model(cfg.model)``.
+            a model instance (pruned in place, not re-initialised), or ``None`` for ``K3Model(cfg.model, cfg.vision)``.
         cfg: the validated :class:`k3train.config.Config` (``parallel.*``, ``model.*``, ``train.seq_len``).
         dims: :class:`parallel.dims.ParallelDims` with groups built (uses ``pp`` ranks and the ``embd`` group).
         make_seq: ``batch -> SeqInfo`` (default: no CP); under CP pass one that attaches the KCP context.
@@ -401,7 +403,7 @@ def build_step_runner(model: nn.Module | Callable[[], nn.Module] | None, cfg: An
         from k3train.model.model import K3Model
 
         def model() -> nn.Module:  # noqa: F811 - the default factory
-            return K3Model(cfg.model)
+            return K3Model(cfg.model, getattr(cfg, "vision", None))
     if device is None:
         device = next(model.parameters()).device if isinstance(model, nn.Module) else torch.device("cpu")
     pp_rank = dims.pp_rank if part.pp > 1 else 0

@@ -112,19 +112,25 @@ def _afab(vpp: int, M: int) -> list[Action]:
     return fwd + bwd
 
 
+def check_schedule(schedule: str, pp: int, vpp: int, num_microbatches: int) -> None:
+    """Every reason :func:`build_schedule` refuses its arguments, without building anything (the planner checks
+    millions of layouts): raises :class:`ConfigError`."""
+    check_num_microbatches(schedule, pp, vpp, num_microbatches)
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"parallel.schedule: unknown schedule {schedule!r}")
+    if schedule == "1f1b" and vpp != 1:
+        raise ConfigError(f"parallel.schedule: '1f1b' needs vpp = 1, got {vpp}")
+
+
 def build_schedule(schedule: str, pp: int, vpp: int, num_microbatches: int) -> list[list[Action]]:
     """Per pipeline rank, the ordered actions of one training step (``schedule`` as resolved by
     :func:`resolve_schedule`). Pure: no processes, no tensors."""
-    check_num_microbatches(schedule, pp, vpp, num_microbatches)
+    check_schedule(schedule, pp, vpp, num_microbatches)
     if schedule == "afab":
         return [_afab(vpp, num_microbatches) for _ in range(pp)]
     if schedule == "1f1b":
-        if vpp != 1:
-            raise ConfigError(f"parallel.schedule: '1f1b' needs vpp = 1, got {vpp}")
         return [_one_f_one_b(pp, r, num_microbatches) for r in range(pp)]
-    if schedule == "interleaved":
-        return [_interleaved(pp, vpp, r, num_microbatches) for r in range(pp)]
-    raise ConfigError(f"parallel.schedule: unknown schedule {schedule!r}")
+    return [_interleaved(pp, vpp, r, num_microbatches) for r in range(pp)]
 
 
 def forward_only_schedule(sched: list[list[Action]]) -> list[list[Action]]:

@@ -16,11 +16,16 @@ def test_k3_counts_match_published():
     assert abs(res["total"] - 2.78e12) <= 0.005 * 2.78e12, res["total"]
     assert abs(res["active"] - 104.2e9) <= 0.005 * 104.2e9, res["active"]
     b = res["breakdown"]
-    assert sum(c["total"] for n, c in b.items() if n not in ("mtp", "vision")) == res["total"]
+    assert sum(c["total"] for n, c in b.items() if n not in ("mtp", "vision", "projector")) == res["total"]
     assert b["embedding"]["total"] == b["lm_head"]["total"] == 163840 * 7168
     assert b["routed_experts"]["total"] == 92 * 896 * 3 * 3584 * 3072
     assert b["routed_experts"]["active"] == 92 * 16 * 3 * 3584 * 3072
-    assert b["vision"]["total"] == 0 and b["mtp"]["total"] > 0
+    assert b["mtp"]["total"] > 0
+    # MoonViT-V2 (about 0.4B): 27 x (q, k, v 1024 -> 1536, o, MLP 1024 <-> 4096, 2 RMSNorm) + patch + 64 x 64 table
+    assert b["vision"]["total"] == 27 * (4 * 1024 * 1536 + 2 * 1024 * 4096 + 2 * 1024) + 3 * 14 * 14 * 1024 \
+        + 64 * 64 * 1024 == 401_213_440
+    assert b["projector"]["total"] == 4096 * 4096 + 4096 * 7168 + 7168  # PatchMergerMLPV2 + RMSNorm(7168)
+    assert [im["tokens"] for im in res["vision_per_image"]] == [256, 4096, 16384]  # seed 000's table
 
 
 def test_count_tool_json(capsys):

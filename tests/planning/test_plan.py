@@ -123,14 +123,15 @@ def test_program_simulation_matches_the_schedule_simulator():
         s = build_schedule(sched, pp, vpp, M)
         n = pp * vpp
         costs = ActionCosts(f=[1.0] * n, b=[2.0] * n, f_comm=[0.0] * n, b_comm=[0.0] * n, msg_s={})
-        out = simulate_programs(build_programs(s, pp, vpp), pp, vpp, costs, 1, 0, 1)
+        out = simulate_programs(build_programs(s, pp, vpp), pp, vpp, costs, 1)
         assert out.makespan == pytest.approx(simulate(s, pp, vpp, 1.0, 2.0).makespan)
     # no pipeline: two data-parallel replicas sharing one core run at half speed
     from k3train.planning.step_time import single_program
 
     one = ActionCosts(f=[1.0], b=[2.0], f_comm=[0.0], b_comm=[0.0], msg_s={})
-    assert simulate_programs([single_program(4)], 1, 1, one, 1, 1, 1).makespan == pytest.approx(12.0)
-    assert simulate_programs([single_program(4)], 1, 1, one, 2, 1, 1).makespan == pytest.approx(24.0)
+    one_core = lambda n: min(1.0, 1 / n)  # noqa: E731 - processor sharing of one core
+    assert simulate_programs([single_program(4)], 1, 1, one, 1, one_core).makespan == pytest.approx(12.0)
+    assert simulate_programs([single_program(4)], 1, 1, one, 2, one_core).makespan == pytest.approx(24.0)
 
 
 @pytest.mark.parametrize("args", [
