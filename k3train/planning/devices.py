@@ -74,7 +74,7 @@ class Device:
         if not curve:
             return min(1.0, self.cores / n)
         top = max(curve)
-        return curve[n] if n in curve else curve[top] * top / n if n > top else min(1.0, self.cores / n)
+        return curve[n] if n <= top else curve[top] * top / n  # measured for 1..top processes
 
     def link(self, intra: bool) -> tuple[float, float]:
         """``(latency s, bandwidth bytes/s)`` of a link inside (``intra``) or across nodes."""

@@ -224,23 +224,21 @@ class Planner:
                 self._too_big_follow_ups(r, by_layout, seen, urgent)
         if self.lt is not None:
             self.lt.save()
-        counts = {k: sum(r.skipped == k for r in rows)
-                  for k in ("slower", "dominated", "trace budget", "simulation budget", "zero twin too big")}
-        if counts["slower"]:
-            notes.append(f"{counts['slower']} layouts not simulated/traced: their step-time lower bound (or "
-                         f"prediction) is above the {self.top}th fitting layout's prediction")
-        if counts["dominated"]:
-            notes.append(f"{counts['dominated']} recompute layouts skipped: their twin without recompute fits and "
-                         f"is faster")
-        if counts["zero twin too big"]:
-            notes.append(f"{counts['zero twin too big']} layouts not traced: the same layout with a higher ZeRO "
-                         f"stage (less memory per rank) was traced too big")
-        if counts["trace budget"]:
-            notes.append(f"{counts['trace budget']} layouts predicted but not traced: memory trace budget "
-                         f"({self.trace_budget_s:.0f} s) spent")
-        if counts["simulation budget"]:
-            notes.append(f"{counts['simulation budget']} layouts with the largest step-time lower bounds not "
-                         f"simulated: simulation budget ({self.sim_budget_s:.0f} s) spent")
+        why = {
+            "slower": "layouts not simulated/traced: their step-time lower bound (or prediction) is above the "
+                      f"{self.top}th fitting layout's prediction",
+            "dominated": "recompute layouts skipped: their twin without recompute fits and is faster",
+            "zero twin too big": "layouts not traced: the same layout with a higher ZeRO stage (less memory per "
+                                 "rank) was traced too big",
+            "trace budget": f"layouts predicted but not traced: memory trace budget ({self.trace_budget_s:.0f} s) "
+                            "spent",
+            "simulation budget": "layouts with the largest step-time lower bounds not simulated: simulation "
+                                 f"budget ({self.sim_budget_s:.0f} s) spent",
+        }
+        for reason, text in why.items():
+            n = sum(r.skipped == reason for r in rows)
+            if n:
+                notes.append(f"{n} {text}")
         secs = {"enumerate": t_enum, "bounds": t_lb, "simulate": t_sim, "memory": t_mem,
                 "total": time.perf_counter() - t0}
         notes.append(f"memory traced for {n_traced} layouts in {t_mem:.1f} s; {len(rows)} layouts, "
