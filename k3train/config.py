@@ -138,6 +138,9 @@ class ParallelConfig:
     schedule: str = "auto"  # "auto" (interleaved 1F1B if vpp > 1 else 1F1B) | "1f1b" | "interleaved" | "afab"
     pp_layers: list[int] = field(default_factory=list)  # explicit layers per virtual stage (pp*vpp entries)
     recompute: bool = False  # full activation recomputation per stage
+    # vision at pp > 1: where the first stage runs the encoder's forward / backward (parallel/pipeline/schedules.py):
+    # "bubbles" (own actions in the pipeline's idle time) | "before" (all before / after the pipeline) | "inline"
+    encoder_schedule: str = "bubbles"
     zero: int = 1  # 0: plain DP all-reduce, 1: ZeRO-1 optimizer sharding, 2: + gradient sharding
     backend: str = "auto"  # "auto" (nccl if CUDA else gloo) | "nccl" | "gloo"
     # seconds a collective / p2p may wait for its peers before this rank fails with a one-line error naming it
@@ -263,6 +266,10 @@ class VisionConfig:
     projector_act: str = "gelu"  # "gelu" (exact erf, as kimi_k25's nn.GELU()) | "gelu_tanh"
     projector_norm: str = "post"  # "post": norm(model.hidden_size) after (V2) | "pre": per patch before (K2.5)
     init_std: float = 0.02  # N(0, std) for matrices; output projections (o_proj, fc2) std / sqrt(2 layers)
+    # context parallel (cp > 1): media of >= this many patches (t*h*w) are split over the CP group in pairs of
+    # patch rows, the others encoded whole by one rank, each media once per CP group (kcp/vision_cp.py);
+    # 0: every CP rank encodes every media of its rows (redundantly). 4096 = a 896 x 896 px image
+    cp_split_min_patches: int = 4096
 
 
 SECTIONS: dict[str, type] = {
@@ -385,6 +392,8 @@ class Config:
         need(p.attnres_comm in ("cached", "full"), "parallel.attnres_comm", "must be 'cached' or 'full'")
         need(p.schedule in ("auto", "1f1b", "interleaved", "afab"), "parallel.schedule",
              "must be 'auto', '1f1b', 'interleaved' or 'afab'")
+        need(p.encoder_schedule in ("bubbles", "before", "inline"), "parallel.encoder_schedule",
+             f"must be 'bubbles', 'before' or 'inline', got {p.encoder_schedule!r}")
         need(p.zero in (0, 1, 2), "parallel.zero", f"must be 0, 1 or 2, got {p.zero}")
         need(p.backend in ("auto", "nccl", "gloo"), "parallel.backend", "must be 'auto', 'nccl' or 'gloo'")
         n_chunks = p.pp * p.vpp
@@ -484,6 +493,12 @@ class Config:
                  "multimodal data needs data.media_placeholder_token (e.g. '<|media_pad|>' of "
                  "k3train/data/assets/tokenizer-vl.json) and its id in model.media_placeholder_token_id",
                  "data.format", "data.media_placeholder_token", "model.media_placeholder_token_id")
+            # a text-only model would train on bare placeholder tokens and never see the media (the placeholder
+            # id's range is checked with the vision section below; the tokenizer's token in preflight.check_data)
+            need(self.vision.enabled, "data.format",
+                 "multimodal data needs vision.enabled=true (the MoonViT-V2 encoder that turns the media into the "
+                 "placeholders' embeddings); with vision.enabled=false the model never sees the media",
+                 "data.format", "vision.enabled")
 
         # logging
         lg = self.logging
@@ -521,6 +536,9 @@ class Config:
                 need(getattr(v, k) in ok, f"vision.{k}", f"must be one of {', '.join(ok)}, got {getattr(v, k)!r}")
             for k in ("norm_eps", "rope_theta", "init_std"):
                 need(getattr(v, k) > 0, f"vision.{k}", f"must be > 0, got {getattr(v, k)}")
+            need(isinstance(v.cp_split_min_patches, int) and v.cp_split_min_patches >= 0,
+                 "vision.cp_split_min_patches", f"must be an integer >= 0 (0: never split), got "
+                 f"{v.cp_split_min_patches!r}")
             need(0 <= m.media_placeholder_token_id < m.vocab_size, "model.media_placeholder_token_id",
                  f"vision.enabled needs a placeholder id in [0, vocab_size={m.vocab_size}), got "
                  f"{m.media_placeholder_token_id}", "model.media_placeholder_token_id", "vision.enabled")

@@ -175,8 +175,9 @@ def _in_backward_pass() -> bool:
 class FirstNonFinite:
     """Hooks on every submodule and parameter of ``model`` recording this rank's earliest non-finite event.
 
-    Order key: ``(0, virtual stage, micro-batch, n)`` for a forward output, ``(1, -virtual stage, micro-batch, n)``
-    for a gradient (backward runs from the last stage down), ``n`` the firing index within the runner's current
+    Order key: ``(0, virtual stage, micro-batch, s, n)`` for a forward output, ``(1, -virtual stage, micro-batch,
+    s, n)`` for a gradient (backward runs from the last stage down; ``s`` orders the vision encoder's own actions
+    before stage 0's forward and after its backward), ``n`` the firing index within the runner's current
     action (``runner.current = (kind, virtual stage, micro-batch)``). Forward hooks fired by activation
     recomputation inside backward are ignored; a gradient hook goes on each tensor only at the first module that
     produced it (outputs passed through unchanged, e.g. earlier AttnRes blocks, keep their producer)."""
@@ -198,8 +199,10 @@ class FirstNonFinite:
         if ctx != self._ctx:
             self._ctx, self._n = ctx, 0
         self._n += 1
-        _, v, mb = ctx
-        return (1, -v, mb, self._n) if backward else (0, v, mb, self._n)
+        kind, v, mb = ctx
+        # the vision encoder's own actions (EF/EB, parallel/pipeline/runner.py) feed / follow stage 0's F / B
+        sub = int(kind == "EB") if backward else int(kind != "EF")
+        return (1, -v, mb, sub, self._n) if backward else (0, v, mb, sub, self._n)
 
     def _record(self, key: tuple, ts: list[torch.Tensor], fqn: str, what: str) -> None:
         if (self.best is None or key < self.best[0]) and not _all_finite(ts):

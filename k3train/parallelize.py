@@ -30,8 +30,21 @@ log = logging.getLogger(__name__)
 
 
 def make_seq_builder(cfg: Config, dims: ParallelDims) -> Callable[[Any], SeqInfo]:
-    """``batch -> SeqInfo``; attaches a KCP context (collective over ``cp``) when context parallel is on."""
-    return seq_builder(cfg, dims.cp, dims)
+    """``batch -> SeqInfo``; attaches a KCP context (collective over ``cp``) when context parallel is on, and
+    with vision (``vision.cp_split_min_patches > 0``) the micro-batch's vision CP context to the batch
+    (``batch.vision_cp``, collective over ``cp``: the CP ranks share the encoding, kcp/vision_cp.py)."""
+    build = seq_builder(cfg, dims.cp, dims)
+    v = cfg.vision
+    if dims.cp == 1 or not v.enabled or v.cp_split_min_patches == 0:
+        return build
+    from kcp.vision_cp import VisionCPContext
+
+    def build_with_vision(b: Any) -> SeqInfo:
+        if getattr(b, "media", None) is not None:  # a multimodal run's batches always carry media (maybe none)
+            b.vision_cp = VisionCPContext(dims, b.media.grid_thw, v.cp_split_min_patches, v.merge_size)
+        return build(b)
+
+    return build_with_vision
 
 
 def seq_builder(cfg: Config, cp: int, group: Any) -> Callable[[Any], SeqInfo]:

@@ -6,7 +6,8 @@
 ``total`` / ``active`` are the BACKBONE (excluding the MTP layer and the vision tower, as the published
 2.78T / 104.2B); ``active`` leaves out the input embedding (a lookup) and counts k/E of the routed experts.
 The MTP layer, the MoonViT-V2 encoder (``vision``) and its projector (``projector``) are listed separately; with
-``vision.enabled`` the tokens and forward FLOPs of one image at the seed's three resolutions follow.
+``vision.enabled`` the tokens and the forward / backward FLOPs (patch embedding, attention projections, the
+quadratic attention term, MLP, merge, projector) of one image at the seed's three resolutions follow.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from k3train.preflight import is_bad_input, validate_run  # noqa: E402
 from k3train.model import K3Model, param_breakdown  # noqa: E402
-from k3train.model.flops import model_flops_per_token, vision_flops  # noqa: E402
+from k3train.model.flops import model_flops_per_token, vision_flops, vision_flops_detail  # noqa: E402
 from k3train.model.media import merged_tokens, patch_grid  # noqa: E402
 
 IMAGE_SIDES_PX = (448, 1792, 3584)  # seed 000's token table
@@ -37,7 +38,8 @@ def count(config: str, overrides: list[str] | None = None) -> dict:
     out["vision_per_image"] = [] if not v.enabled else [
         {"pixels": side, "grid": g, "tokens": merged_tokens(*g, merge=v.merge_size),
          "encoder_forward_flops": vision_flops(g, v, cfg.model.hidden_size, projector=False),
-         "forward_flops": vision_flops(g, v, cfg.model.hidden_size)}
+         "forward_flops": vision_flops(g, v, cfg.model.hidden_size),
+         "flops": vision_flops_detail(g, v, cfg.model.hidden_size)}
         for side in IMAGE_SIDES_PX for g in [list(patch_grid(side, side, 1, v.patch_size, v.merge_size))]]
     out["config"] = config
     out["flops_per_token_train"] = model_flops_per_token(cfg.model, cfg.train.seq_len)
@@ -77,9 +79,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<16}{c['total']:>22,}{c['active']:>22,}{note}")
     print(f"with MTP: {_fmt(res['total_with_mtp'])}; training FLOPs/token at seq_len {res['seq_len']}: "
           f"{res['flops_per_token_train']:.4g}")
-    for im in res["vision_per_image"]:
-        print(f"image {im['pixels']}x{im['pixels']} px: patch grid {im['grid']} -> {im['tokens']:,} tokens; forward "
-              f"FLOPs: encoder {im['encoder_forward_flops']:.4g}, with the projector {im['forward_flops']:.4g}")
+    if res["vision_per_image"]:
+        parts = list(res["vision_per_image"][0]["flops"])
+        print("vision tower per image (k3train/model/flops.py: vision_flops_detail; FLOPs forward / backward):")
+        print(f"{'image px':>10} {'patches':>8} {'tokens':>7}  " + " ".join(f"{p:>19}" for p in parts))
+        for im in res["vision_per_image"]:
+            t, h, w = im["grid"]
+            print(f"{str(im['pixels']) + 'x' + str(im['pixels']):>10} {t * h * w:>8,} {im['tokens']:>7,}  "
+                  + " ".join(f"{im['flops'][p]['forward']:>9.3g}/{im['flops'][p]['backward']:<9.3g}"
+                             for p in parts).rstrip())
     return 0
 
 

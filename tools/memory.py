@@ -7,11 +7,14 @@
         --train.seq_len=8192 --model.max_position_embeddings=8192 --train.micro_batch_size=1 --check-compose
 
 Prints one row per rank (GiB per category: params, grads, optimizer, activations at the peak, comm buffers, peak
-and where it happens; the worst rank per stage when a stage has more than 8 ranks). ``--json`` prints one
-object with a ``ranks`` list of ``{rank, pp_rank, dp_rank, cp_rank, ep_rank, params, grads, optimizer,
-activations, buffers, peak}`` in bytes (``measured_peak`` with ``--measure``). ``--plot F.png``: a stacked bar
-per pipeline stage (its worst rank). ``--measure`` runs ``--steps`` real training steps of the same config and
-layout with torchrun on this machine (k3train.planning.measure) and reports the measured peak of live tensor
+and where it happens; the worst rank per stage when a stage has more than 8 ranks). A vision model's first stage
+traces the encoder on ``--media``: ``worst`` (every position of the micro-batch a placeholder of the largest
+images the config allows, ``--media-frames`` per media), ``data`` (the run's own media) or ``none``; the default
+``auto`` is ``worst`` on multimodal data and ``none`` on text data.
+``--json`` prints one object with a ``ranks`` list of ``{rank, pp_rank, dp_rank, cp_rank, ep_rank, params, grads,
+optimizer, activations, buffers, peak}`` in bytes (``measured_peak`` with ``--measure``). ``--plot F.png``: a
+stacked bar per pipeline stage (its worst rank). ``--measure`` runs ``--steps`` real training steps of the same
+config and layout with torchrun on this machine (k3train.planning.measure) and reports the measured peak of live tensor
 bytes beside the estimate. What is traced and what is computed: k3train/planning/memory.py.
 """
 from __future__ import annotations
@@ -88,14 +91,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3, help="with --measure: real steps (peak from step 2 on)")
     ap.add_argument("--check-compose", action="store_true",
                     help="compare the per-layer composition (used for long sequences) with whole-chunk traces")
+    ap.add_argument("--media", choices=("auto", "worst", "data", "none"), default="auto",
+                    help="vision models: what the first stage's encoder is traced on -- the worst case (every "
+                         "position a placeholder of the largest images the config allows), the data's own media "
+                         "(what --measure runs), or none; auto (default): worst on multimodal data, else none")
+    ap.add_argument("--media-frames", type=int, default=1,
+                    help="with --media worst: frames per media (1: images; up to vision.pos_emb_time: clips)")
     ap.add_argument("--all-ranks", action="store_true", help="print every rank (default: worst per stage "
                                                              "when a stage has more than 8)")
     args, overrides = ap.parse_known_args(argv)
     from k3train.config import ConfigError, load_config
-    from k3train.planning.memory import estimate, format_table
+    from k3train.planning.memory import MediaCase, estimate, format_table
 
     try:
         cfg = load_config(args.config, overrides, world_size=args.world_size)
+        media = MediaCase(args.media, args.media_frames)
+        media.check(cfg)
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"k3train: error: {e}", file=sys.stderr)
         return 2
@@ -115,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{[round(x / 2**20, 2) for x in r['whole']]} MiB, composed "
                   f"{[round(x / 2**20, 2) for x in r['composed']]} MiB, error {[f'{e:+.2f}%' for e in err]}")
         return 0
-    est = estimate(cfg, args.world_size)
+    est = estimate(cfg, args.world_size, media=media)
     if args.measure:
         measured = run_measure(args.config, args.world_size, overrides, args.steps)
         for r in est.ranks:

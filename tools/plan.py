@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=10)
     ap.add_argument("--measure", type=int, default=0, metavar="K")
     ap.add_argument("--bottom", type=int, default=3, help="with --measure: slowest predicted layouts also run")
-    ap.add_argument("--steps", type=int, default=4, help="with --measure: steps per run (step 1 excluded)")
+    ap.add_argument("--steps", type=int, default=6,
+                    help="with --measure: steps per run (the first two excluded; the first only, below 5 steps)")
     ap.add_argument("--ep-skew", type=float, default=1.5, help="plain EP: busiest rank's routed load / mean")
     ap.add_argument("--exhaustive", action="store_true", help="simulate and trace every layout")
     ap.add_argument("--trace-budget-s", type=float, default=150.0, help="seconds of memory traces at most")
@@ -85,6 +86,14 @@ def main(argv: list[str] | None = None) -> int:
         from k3train.planning.devices import cache_path
 
         lt = LayerTimes(cache_path(args.calibration), dev.threads, log) if dev.is_cpu else None
+        if lt is not None:
+            # how ranks slow each other down, measured on this config's own step (the device-level small-op curve
+            # misses the contention of a real working set)
+            import dataclasses
+
+            curve = lt.concurrency(load_config(args.config, overrides), max(2, args.world_size) * dev.threads)
+            dev = dataclasses.replace(dev, calibration={**dev.calibration, "concurrency": curve,
+                                                        "concurrency_workload": "this config's step"})
         from k3train.planning.plan import Planner
 
         planner = Planner(args.config, overrides, args.world_size, dev, top=max(args.top, args.measure),

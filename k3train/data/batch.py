@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -62,6 +62,9 @@ class Batch:
     media_rows: Tensor | None = None  # [n_media] int64: the row of each media
     media_token_id: int | None = None  # the placeholder id the media fill (slice_cp counts placeholders by it)
     media_offsets: Tensor | None = None  # [B] int64, CP slices only: see the module docstring
+    # CP slices with vision.cp_split_min_patches > 0: the micro-batch's kcp.vision_cp.VisionCPContext (the
+    # encoding shared by the CP ranks), attached by k3train.parallelize.make_seq_builder
+    vision_cp: Any = None
 
     # ------------------------------------------------------------------------------------------------------
     @classmethod

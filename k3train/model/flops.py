@@ -154,25 +154,49 @@ def model_flops_per_token(cfg: Any, seq_len: int, include_mtp: bool = True) -> f
 # --------------------------------------------------------------------------------------------------------------
 # vision (MoonViT-V2 + projector), per media
 # --------------------------------------------------------------------------------------------------------------
-def vision_flops(grid: Any, vcfg: Any, d_model: int, projector: bool = True) -> int:
-    """Forward FLOPs of the vision tower on one media of ``grid = (t, h, w)`` patches (``vcfg`` a VisionConfig):
-    ``2 x`` the matmul parameters each patch passes through (patch embedding, q/k/v/o, MLP) per patch, ``2 x``
-    the projector's per merged token, plus attention ``4 H dh`` per (query, key) pair per layer: all ``(t h w)^2``
-    pairs for ``joint``; for ``factorised`` ``t (h w)^2`` within frames and, for clips (``t > 1``), a second
-    pass (its q/k/v/o projections too) over ``h w t^2`` pairs. Norms, softmax, RoPE and interpolation are not
-    counted (the planner's cost of a media; backward is about 2 x this). ``projector=False``: the encoder only."""
+VISION_PARTS = ("patch_embed", "attn_proj", "attn_scores", "mlp", "merge", "projector")
+
+
+def vision_flops_detail(grid: Any, vcfg: Any, d_model: int) -> dict[str, dict[str, int]]:
+    """Forward and backward FLOPs of the vision tower on one media of ``grid = (t, h, w)`` patches (``vcfg`` a
+    VisionConfig, ``d_model`` the LM width), per part: ``{part: {"forward", "backward"}}`` for
+    :data:`VISION_PARTS` plus ``"total"``. ``n = t h w`` patches, ``hd = heads x head_dim``, ``L`` blocks:
+
+    * ``patch_embed``: ``2 n (3 p^2) D``; backward the weight gradient only (the pixels need none): 1 x forward;
+    * ``attn_proj`` (q, k, v, o): ``L 2 n 4 D hd``; ``factorised`` clips run them a second time (temporal pass);
+    * ``attn_scores`` (``q k^T`` and ``P v``, the quadratic term): ``L 4 hd`` per (query, key) pair: ``joint``
+      all ``n^2`` pairs of the media; ``factorised`` ``t (h w)^2`` within frames + ``h w t^2`` across frames
+      (clips); backward ``dQ, dK, dV, dP``: 2 x forward (a flash kernel's recomputed ``q k^T`` not counted);
+    * ``mlp``: ``L 2 n 2 D I``;
+    * ``merge`` (``sd2_tpool``): the 2 x 2 concatenation is a reshape; the mean over the ``t`` frames of a clip is
+      ``n D`` (0 for an image), its backward ``n D``;
+    * ``projector``: ``2 M (m^2 D P + P d_model)`` over the ``M = (h/m)(w/m)`` merged tokens.
+
+    Matmul backward = 2 x forward (input and weight gradients). Norms, softmax, RoPE, activations and the
+    position-table interpolation are not counted (elementwise, O(n D))."""
     t, h, w = (int(x) for x in grid)
     D, hd, L = vcfg.hidden_size, vcfg.num_attention_heads * vcfg.head_dim, vcfg.num_hidden_layers
     m = vcfg.merge_size
     n, hw, merged = t * h * w, h * w, (h // m) * (w // m)
-    attn_proj = 4 * D * hd  # q, k, v, o
-    per_layer = 2 * n * (attn_proj + 2 * D * vcfg.intermediate_size)
-    if vcfg.attention == "joint":
-        per_layer += 4 * hd * n * n
-    else:
-        per_layer += 4 * hd * t * hw * hw
-        if t > 1:
-            per_layer += 2 * n * attn_proj + 4 * hd * hw * t * t
-    patch = 2 * n * 3 * vcfg.patch_size ** 2 * D
-    proj = 2 * merged * (m * m * D * vcfg.projector_hidden_size + vcfg.projector_hidden_size * d_model)
-    return patch + L * per_layer + (proj if projector else 0)
+    proj_passes = 2 if vcfg.attention == "factorised" and t > 1 else 1
+    pairs = n * n if vcfg.attention == "joint" else t * hw * hw + (hw * t * t if t > 1 else 0)
+    fwd = {
+        "patch_embed": 2 * n * 3 * vcfg.patch_size ** 2 * D,
+        "attn_proj": L * proj_passes * 2 * n * 4 * D * hd,
+        "attn_scores": L * 4 * hd * pairs,
+        "mlp": L * 2 * n * 2 * D * vcfg.intermediate_size,
+        "merge": n * D if t > 1 else 0,
+        "projector": 2 * merged * (m * m * D * vcfg.projector_hidden_size + vcfg.projector_hidden_size * d_model),
+    }
+    bwd_factor = {"patch_embed": 1, "merge": 1}
+    out = {k: {"forward": f, "backward": bwd_factor.get(k, 2) * f} for k, f in fwd.items()}
+    out["total"] = {d: sum(out[k][d] for k in VISION_PARTS) for d in ("forward", "backward")}
+    return out
+
+
+def vision_flops(grid: Any, vcfg: Any, d_model: int, projector: bool = True) -> int:
+    """Forward FLOPs of the vision tower on one media of ``grid = (t, h, w)`` patches: the sum of
+    :func:`vision_flops_detail`'s forward parts (the planner's cost of a media; backward is about 2 x this).
+    ``projector=False``: the encoder only (patch embedding, blocks, merge)."""
+    det = vision_flops_detail(grid, vcfg, d_model)
+    return sum(det[k]["forward"] for k in VISION_PARTS if projector or k != "projector")

@@ -75,8 +75,9 @@ class K3Model(nn.Module):
     :class:`VisionTower`: ``vision.encoder`` + ``vision.projector``) beside ``embed_tokens``, on the first pipeline
     stage like it (pruned chunks set it to ``None``).
 
-    Public methods (the contract's model seams): ``embed``, ``embed_batch``, ``encode_media``, ``forward_layers``,
-    ``final_hidden``, ``loss_sums``, ``forward``, ``init_weights``. No torch.distributed calls; parallelism is applied from outside.
+    Public methods (the contract's model seams): ``embed``, ``embed_batch``, ``encode_batch``, ``encode_media``,
+    ``forward_layers``, ``final_hidden``, ``loss_sums``, ``forward``, ``init_weights``. No torch.distributed calls;
+    parallelism is applied from outside.
     """
 
     def __init__(self, cfg: Any, vision: Any = None) -> None:
@@ -107,12 +108,14 @@ class K3Model(nn.Module):
 
     # ---------------------------------------------------------------------------------------------------------
     # stage seams
-    def encode_media(self, media: MediaInputs) -> torch.Tensor:
+    def encode_media(self, media: MediaInputs, cp: Any = None) -> torch.Tensor:
         """The vision tower on ``media``: ``[media.num_tokens(), d]`` embeddings in placeholder order (kept
-        separate from :meth:`embed` so a pipeline schedule can run the encoder on its own)."""
+        separate from :meth:`embed` so a pipeline schedule can run the encoder on its own). ``cp``: the
+        micro-batch's vision CP context (``batch.vision_cp``, kcp/vision_cp.py; collective over the CP group),
+        which splits the encoding over the CP ranks; the result is the same."""
         if self.vision is None:
             raise RuntimeError("encode_media() called on a model (chunk) without a vision tower (vision.enabled)")
-        return self.vision(media)
+        return self.vision(media, cp) if cp is not None else self.vision(media)
 
     def scatter_media(self, tokens: torch.Tensor, emb: torch.Tensor, media_embeds: torch.Tensor) -> torch.Tensor:
         """``emb [B, T, d]`` with the positions where ``tokens == media_placeholder_token_id`` replaced, in
@@ -142,17 +145,24 @@ class K3Model(nn.Module):
         ``embed(batch.tokens)`` (any media ignored). With vision the encoder always runs, on ``batch.media`` or
         on ``MediaInputs.empty()`` when the micro-batch has none (every rank runs the same program), and the
         placeholders take the projected embeddings; a CP slice (``batch.media_offsets`` set) encodes every media
-        of its rows and takes only the embeddings of its own placeholders (:meth:`slice_media_embeds`)."""
+        of its rows and takes only the embeddings of its own placeholders (:meth:`slice_media_embeds`); with
+        ``batch.vision_cp`` (kcp/vision_cp.py) the CP ranks share that encoding and each gets all embeddings."""
         if self.vision is None:
             return self.embed(batch.tokens)
+        return self.embed(batch.tokens, media_embeds=self.encode_batch(batch))
+
+    def encode_batch(self, batch: Any) -> torch.Tensor:
+        """The vision part of :meth:`embed_batch` (a vision model only): the embeddings ``[n, d]`` of the
+        micro-batch's placeholders (of this CP slice's, when ``batch.media_offsets`` is set). A pipeline schedule
+        runs it as its own action (parallel.encoder_schedule) and embeds with ``embed(tokens, media_embeds=)``."""
         media = getattr(batch, "media", None)
         if media is None:
             media = MediaInputs.empty(self.vision_cfg.patch_size)
-        embeds = self.encode_media(media)
+        embeds = self.encode_media(media, getattr(batch, "vision_cp", None))
         offsets = getattr(batch, "media_offsets", None)
         if offsets is not None:
             embeds = self.slice_media_embeds(batch.tokens, embeds, offsets)
-        return self.embed(batch.tokens, media_embeds=embeds)
+        return embeds
 
     def embed(self, tokens: torch.Tensor, media: MediaInputs | None = None,
               media_embeds: torch.Tensor | None = None) -> AttnResState:

@@ -21,12 +21,13 @@ batched over frames / positions), so a micro-batch of many media of different si
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from k3train.model.norm import RMSNorm
 from k3train.optim.param_groups import mark_per_head
@@ -51,10 +52,21 @@ def activation(name: str, x: Tensor) -> Tensor:
 
 @dataclass(frozen=True)
 class MediaLayout:
-    """Host-side shapes of a micro-batch's media: ``grids[i] = (t, h, w)``, ``offsets[i]`` = its first patch."""
+    """Host-side shapes of a micro-batch's media: ``grids[i] = (t, h, w)``, ``offsets[i]`` = its first patch.
+
+    A context-parallel split (kcp/vision_cp.py) hands the encoder a layout of this rank's row bands instead:
+    ``rows[i] = (first row, the media's full h)`` places band ``i`` (``h`` rows of all ``t`` frames) in its media
+    (position embeddings and RoPE use the true rows), and ``kv_exchange(k, v)`` supplies the keys / values of
+    every band's whole media for joint and spatial attention. Both empty: every entry is a whole media."""
 
     grids: tuple[tuple[int, int, int], ...]
     offsets: tuple[int, ...]
+    rows: tuple[tuple[int, int], ...] = ()
+    kv_exchange: Any = field(default=None, compare=False, repr=False)
+
+    def row_band(self, i: int) -> tuple[int, int]:
+        """``(first row, full h)`` of entry ``i`` in its media (``(0, h)`` for a whole media)."""
+        return self.rows[i] if self.rows else (0, self.grids[i][1])
 
     @classmethod
     def from_grid_thw(cls, grid_thw: Tensor) -> "MediaLayout":
@@ -85,8 +97,10 @@ def rope_2d(layout: MediaLayout, head_dim: int, theta: float, dtype: torch.dtype
             device: torch.device) -> tuple[Tensor, Tensor]:
     """``(cos, sin) [N, head_dim]`` of the 2D RoPE for every patch (see the module docstring for the layout)."""
     rows, cols = [], []
-    for t, h, w in layout.grids:
-        r, c = torch.meshgrid(torch.arange(h, device=device), torch.arange(w, device=device), indexing="ij")
+    for i, (t, h, w) in enumerate(layout.grids):
+        r0 = layout.row_band(i)[0]
+        r, c = torch.meshgrid(torch.arange(r0, r0 + h, device=device), torch.arange(w, device=device),
+                              indexing="ij")
         rows.append(r.reshape(-1).repeat(t))
         cols.append(c.reshape(-1).repeat(t))
     row = torch.cat(rows) if rows else torch.zeros(0, device=device)
@@ -128,13 +142,14 @@ class PositionEmbedding2D(nn.Module):
         parts = [self.weight.reshape(-1, D)[:0]]  # keeps the table in the graph with no media (zero gradient)
         time = sinusoid_time_table(self.max_frames, D, torch.promote_types(self.weight.dtype, torch.float32),
                                    self.weight.device)
-        for t, h, w in layout.grids:
-            if (h, w) == (H0, W0):
-                grid = self.weight.reshape(h * w, D)
+        for i, (t, h, w) in enumerate(layout.grids):
+            r0, full_h = layout.row_band(i)  # a CP row band: the media's table, rows [r0, r0 + h)
+            if (full_h, w) == (H0, W0):
+                grid = self.weight
             else:
                 img = self.weight.permute(2, 0, 1)[None]
-                grid = F.interpolate(img, size=(h, w), mode=self.mode, align_corners=False)[0]
-                grid = grid.permute(1, 2, 0).reshape(h * w, D)
+                grid = F.interpolate(img, size=(full_h, w), mode=self.mode, align_corners=False)[0].permute(1, 2, 0)
+            grid = (grid[r0:r0 + h] if full_h != h else grid).reshape(h * w, D)
             if t == 1:
                 parts.append(grid)
             else:
@@ -162,20 +177,27 @@ class VisionAttention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layout: MediaLayout, kind: str) -> Tensor:
         """``x [N, D]`` (the patches of ``layout``) -> ``[N, D]``. ``kind``: ``joint`` (a media's patches attend
-        to each other), ``spatial`` (within each frame) or ``temporal`` (across frames at each position)."""
+        to each other), ``spatial`` (within each frame) or ``temporal`` (across frames at each position).
+        With ``layout.kv_exchange`` (a CP row band) the joint / spatial keys are the band's whole media."""
         N, H, dh = x.shape[0], self.num_heads, self.head_dim
         q = apply_rope(self.q_proj(x).view(N, H, dh), cos, sin)
         k = apply_rope(self.k_proj(x).view(N, H, dh), cos, sin)
         v = self.v_proj(x).view(N, H, dh)
-        outs = [] if layout.grids else [q[:0] + k[:0] + v[:0]]  # no media: q, k, v stay in the graph
-        for (t, h, w), o in zip(layout.grids, layout.offsets):
+        if layout.kv_exchange is not None and kind != "temporal":  # a frame's positions are all in the band
+            keys, anchor = layout.kv_exchange(k, v)  # per entry (k, v, key rows); anchor: [0, H, dh] in the graph
+            outs = [q[:0] + anchor]  # the exchange's backward runs on every rank, whatever it holds
+        else:
+            keys = [(k[o:o + t * h * w], v[o:o + t * h * w], h) for (t, h, w), o in zip(layout.grids, layout.offsets)]
+            outs = [] if layout.grids else [q[:0] + k[:0] + v[:0]]  # no media: q, k, v stay in the graph
+        for (t, h, w), o, (ks, vs, hk) in zip(layout.grids, layout.offsets, keys):
             n = t * h * w
-            qs, ks, vs = (z[o:o + n] for z in (q, k, v))
+            qs = q[o:o + n]
             if kind == "joint":  # [1, H, n, dh] (4-D: the fused flash / memory-efficient kernels take it)
                 qs, ks, vs = (z.transpose(0, 1)[None] for z in (qs, ks, vs))
                 out = F.scaled_dot_product_attention(qs, ks, vs)[0].transpose(0, 1)
-            elif kind == "spatial":  # [t, H, hw, dh]
-                qs, ks, vs = (z.reshape(t, h * w, H, dh).transpose(1, 2) for z in (qs, ks, vs))
+            elif kind == "spatial":  # [t, H, hw, dh] queries, [t, H, hk w, dh] keys
+                qs = qs.reshape(t, h * w, H, dh).transpose(1, 2)
+                ks, vs = (z.reshape(t, hk * w, H, dh).transpose(1, 2) for z in (ks, vs))
                 out = F.scaled_dot_product_attention(qs, ks, vs).transpose(1, 2)
             elif kind == "temporal":  # [hw, H, t, dh]
                 qs, ks, vs = (z.reshape(t, h * w, H, dh).permute(1, 2, 0, 3) for z in (qs, ks, vs))
@@ -234,6 +256,10 @@ class MoonViT(nn.Module):
                                              vcfg.pos_emb_interpolation, vcfg.pos_emb_time)
         self.blocks = nn.ModuleList([VisionBlock(vcfg) for _ in range(vcfg.num_hidden_layers)])
         self.final_norm = make_norm(vcfg.norm, D, vcfg.norm_eps, vcfg.bias) if vcfg.final_norm else None
+        # activation recompute per block (set from outside: the runner, under ``parallel.recompute``): a block
+        # keeps only its input for backward and re-runs its forward there -- the encoder's saved activations drop
+        # from ~13 D-wide vectors per patch and block to one
+        self.recompute_blocks = False
 
     def forward(self, pixel_values: Tensor, layout: MediaLayout) -> Tensor:
         w = self.patch_embed.weight
@@ -242,7 +268,10 @@ class MoonViT(nn.Module):
         cos, sin = rope_2d(layout, self.head_dim, self.rope_theta, torch.promote_types(w.dtype, torch.float32),
                            w.device)
         for blk in self.blocks:
-            x = blk(x, cos, sin, layout)
+            if self.recompute_blocks and torch.is_grad_enabled():
+                x = checkpoint(blk, x, cos, sin, layout, use_reentrant=False)
+            else:
+                x = blk(x, cos, sin, layout)
         return self.final_norm(x) if self.final_norm is not None else x
 
 

@@ -65,7 +65,14 @@ class VisionTower(nn.Module):
                              f"{[list(x) for x in layout.grids]}, got {tuple(px.shape)}")
         return layout
 
-    def forward(self, media: MediaInputs) -> Tensor:
+    def forward(self, media: MediaInputs, cp: Any = None) -> Tensor:
+        """``[media.num_tokens(), d_model]`` in placeholder order. ``cp`` (optional, attached from outside: a
+        :class:`kcp.vision_cp.VisionCPContext`): this rank encodes only its row bands of the media, attention
+        takes the rest of each media's keys from the CP group, and the embeddings of all media are gathered."""
         layout = self.check(media)
-        feats = self.encoder(media.pixel_values, layout)
-        return self.projector(sd2_tpool(feats, layout, self.merge))
+        if cp is None:
+            feats = self.encoder(media.pixel_values, layout)
+            return self.projector(sd2_tpool(feats, layout, self.merge))
+        local = cp.local_layout(layout)
+        feats = self.encoder(cp.local_patches(media.pixel_values), local)
+        return cp.assemble(self.projector(sd2_tpool(feats, local, self.merge)))

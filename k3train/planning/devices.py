@@ -13,7 +13,9 @@ compute (the K3 report overlaps dispatch/combine with compute). Every field is o
 ``cpu``: one torchrun rank per process on this host; everything is measured once and cached in a JSON file
 (``~/.cache/k3train/cpu_calibration.json`` or ``--calibration FILE``), keyed by host, cores and torch version:
 matmul FLOP/s at the thread count a rank gets, copy bandwidth, gloo point-to-point and all-reduce latency and
-bandwidth between two local processes, and how fast a rank computes while ``n`` ranks compute at once
+bandwidth between two local processes, what a small all-reduce over the world's ranks costs while every rank
+computes between collectives (``loaded_collective_s`` per kind: what the planner charges per call on this host;
+it includes waiting for a busy or descheduled peer), and how fast a rank computes while ``n`` ranks compute at once
 (``concurrency``: :meth:`Device.rank_speed`). Per-layer and per-parameter times of a config are measured separately
 (:mod:`k3train.planning.layer_bench`), since framework overhead, not FLOPs, dominates CPU-sized models.
 """
@@ -43,6 +45,8 @@ class Device:
     gpus_per_node: int = 8
     lat_intra: float = 5e-6    # seconds per message / ring step inside a node
     lat_inter: float = 12e-6   # across nodes
+    call_lat: dict[str, float] = field(default_factory=dict)  # per collective kind: seconds per call on top of its
+    #                             ring steps (cpu: waiting for busy peers, devices.bench_loaded_collective; GPUs: none)
     compute_eff: float = 0.55
     link_eff: float = 0.8
     hbm_eff: float = 0.8
@@ -76,6 +80,11 @@ class Device:
         top = max(curve)
         return curve[n] if n <= top else curve[top] * top / n  # measured for 1..top processes
 
+    def call_cost(self, kind: str) -> float:
+        """Seconds one collective call of ``kind`` costs beyond its ring steps (``call_lat``; the all-to-all's for
+        p2p batches, which synchronise the same way)."""
+        return self.call_lat.get(kind, self.call_lat.get("all_to_all", 0.0) if kind == "p2p" else 0.0)
+
     def link(self, intra: bool) -> tuple[float, float]:
         """``(latency s, bandwidth bytes/s)`` of a link inside (``intra``) or across nodes."""
         if intra:
@@ -105,7 +114,7 @@ DEVICE_NAMES = ("cpu", *PUBLISHED)
 
 def apply_fields(dev: Device, items: list[str]) -> Device:
     """``["peak_flops=1e15", ...]`` -> a copy with those fields set (ConfigError naming a bad one)."""
-    kinds = {f.name: f.type for f in fields(Device) if f.name not in ("name", "calibration")}
+    kinds = {f.name: f.type for f in fields(Device) if f.name not in ("name", "calibration", "call_lat")}
     out = {}
     for it in items:
         k, sep, v = it.partition("=")
@@ -267,24 +276,38 @@ def _busy_worker(idx: int, threads: int, barrier: Any, out: Any) -> None:
     out[idx] = time.perf_counter() - t0
 
 
-def bench_concurrency(max_procs: int, threads: int) -> dict[str, float]:
-    """``{n: speed}`` for ``n = 1..max_procs``: the median per-process speed, relative to one process alone, of
-    ``n`` processes running the same small-op workload at once (made monotone: more ranks never run faster)."""
+def _forkserver() -> Any:
+    """Worker processes forked from a server that imported torch once: each starts in milliseconds, not an
+    import's seconds."""
     import multiprocessing as mp
 
-    # forked from a server that imported torch once: a worker starts in milliseconds, not an import's seconds
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch"])
+    return ctx
+
+
+def _run_workers(ctx: Any, target: Any, arg_lists: list[tuple], what: str) -> None:
+    """Start one process per argument tuple, wait for all; a failed worker is an error naming ``what``."""
+    procs = [ctx.Process(target=target, args=a) for a in arg_lists]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    if any(p.exitcode != 0 for p in procs):
+        raise RuntimeError(f"{what}: a worker failed")
+
+
+def bench_concurrency(max_procs: int, threads: int, target: Any = None, args: tuple = ()) -> dict[str, float]:
+    """``{n: speed}`` for ``n = 1..max_procs``: the median per-process speed, relative to one process alone, of
+    ``n`` processes running the same workload at once (made monotone: more ranks never run faster). The workload:
+    ``target(idx, threads, barrier, out, *args)`` (warm up, ``barrier.wait()``, then ``out[idx] = seconds``);
+    default: a small-op mix (:func:`_busy_worker`)."""
+    ctx = _forkserver()
     times: dict[int, float] = {}
     for n in range(1, max_procs + 1):
         barrier, out = ctx.Barrier(n), ctx.Array("d", n)
-        procs = [ctx.Process(target=_busy_worker, args=(i, threads, barrier, out)) for i in range(n)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-        if any(p.exitcode != 0 for p in procs):
-            raise RuntimeError(f"cpu concurrency calibration: a worker of {n} failed")
+        _run_workers(ctx, target or _busy_worker, [(i, threads, barrier, out, *args) for i in range(n)],
+                     f"cpu concurrency calibration ({n} processes)")
         ts = sorted(out[:])
         times[n] = ts[len(ts) // 2]
     curve, best = {}, 1.0
@@ -292,6 +315,70 @@ def bench_concurrency(max_procs: int, threads: int) -> dict[str, float]:
         best = min(best, times[1] / times[n])
         curve[str(n)] = best
     return curve
+
+
+LOADED_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+def _loaded_gloo_worker(rank: int, n: int, port: int, threads: int, out: Any) -> None:
+    """One of ``n`` ranks of :func:`bench_loaded_collective`: a compute slice then one small collective, looped,
+    for each collective kind the step uses (the calls the project makes: ``all_gather_single`` /
+    ``reduce_scatter_single`` when torch has them, ``all_to_all_single`` with split sizes)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
+    g = torch.Generator().manual_seed(rank)
+    x, w = torch.randn(64, 128, generator=g), torch.randn(128, 128, generator=g)
+    small, full = torch.zeros(64), torch.zeros(64 * n)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    splits = [64] * n
+    ops = {"all_reduce": lambda: dist.all_reduce(small), "all_gather": lambda: gather(full, small),
+           "reduce_scatter": lambda: scatter(small, full),
+           "all_to_all": lambda: dist.all_to_all_single(full, full.clone(), splits, splits)}
+
+    def compute() -> None:
+        for _ in range(4):
+            torch.tanh(x @ w).sum()
+
+    def loop(op: Any, reps: int) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            compute()
+            if op is not None:
+                op()
+        dist.barrier()
+        return (time.perf_counter() - t0) / reps
+
+    for op in ops.values():
+        loop(op, 10)
+    base = min(loop(None, 150) for _ in range(3))
+    for i, kind in enumerate(LOADED_KINDS):
+        out[rank * len(LOADED_KINDS) + i] = max(0.0, min(loop(ops[kind], 150) for _ in range(3)) - base)
+    dist.destroy_process_group()
+
+
+def bench_loaded_collective(n: int, threads: int) -> dict[str, float]:
+    """Per collective kind (:data:`LOADED_KINDS`), the seconds one small call over ``n`` ranks of this host adds
+    to a rank that computes between collectives (every rank busy, as in a training step): idle ping-pong latency
+    misses the wait for a busy or descheduled peer. Median over ranks."""
+    if n < 2:
+        return {k: 0.0 for k in LOADED_KINDS}
+    ctx = _forkserver()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = ctx.Array("d", n * len(LOADED_KINDS))
+    _run_workers(ctx, _loaded_gloo_worker, [(r, n, port, threads, out) for r in range(n)],
+                 f"cpu calibration of loaded collectives ({n} processes)")
+    res = {}
+    for i, kind in enumerate(LOADED_KINDS):
+        ts = sorted(out[r * len(LOADED_KINDS) + i] for r in range(n))
+        res[kind] = ts[len(ts) // 2]
+    return res
 
 
 def calibrate_cpu(world_size: int, path: Path, log: Any = print) -> Device:
@@ -316,14 +403,25 @@ def calibrate_cpu(world_size: int, path: Path, log: Any = print) -> Device:
         data = load_cache(path)
         data.setdefault(key, {})["machine"] = cal
         save_cache(path, data)
+    loaded = cal.setdefault("loaded_collective_s", {})
+    if world_size > 1 and str(world_size) not in loaded:
+        log(f"calibrating cpu: small collectives over {world_size} busy processes ...")
+        loaded[str(world_size)] = bench_loaded_collective(world_size, threads)
+        data = load_cache(path)
+        data.setdefault(key, {})["machine"] = cal
+        save_cache(path, data)
+    # what a call costs beyond the idle ring steps ring_time charges it ((n-1) p2p latencies; an all-reduce 2 x)
+    steps = {"all_reduce": 2 * max(0, world_size - 1)}
+    call_lat = {k: max(0.0, v - steps.get(k, max(0, world_size - 1)) * cal["p2p_latency_s"])
+                for k, v in loaded.get(str(world_size), {}).items()}
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         ram = 16 * 2**30
     return Device("cpu", peak_flops=cal["matmul_flops"], hbm_bytes=ram / max(1, world_size), hbm_bw=cal["copy_bw"],
                   nvlink_bw=cal["p2p_bw"], internode_bw=cal["p2p_bw"], gpus_per_node=max(1, world_size),
-                  lat_intra=cal["p2p_latency_s"], lat_inter=cal["p2p_latency_s"], compute_eff=1.0, link_eff=1.0,
-                  hbm_eff=1.0, ep_overlap=0.0, cores=cores, threads=threads,
+                  lat_intra=cal["p2p_latency_s"], lat_inter=cal["p2p_latency_s"], call_lat=call_lat, compute_eff=1.0,
+                  link_eff=1.0, hbm_eff=1.0, ep_overlap=0.0, cores=cores, threads=threads,
                   calibration={**cal, "path": str(path), "key": key})
 
 

@@ -7,7 +7,8 @@ tensors, one piece at a time, at the micro-batch shape of a layout, single rank,
 * the embedding, each backbone layer ``i`` (``K3Model.forward_layers(state, i, i + 1)`` from its canonical AttnRes
   input state, then autograd backward of its outputs), and the head (final AttnRes, norm, LM head, MTP:
   ``loss_sums``) -- at ``[micro_batch_size, seq_len / cp]`` tokens, routed experts sharded for ``ep`` as the rank
-  holds them (the local expert shard computing the ``N*k`` routed rows, as MoonEP balances them);
+  holds them (the local expert shard computing the ``N*k`` routed rows, as MoonEP balances them); under context
+  parallelism through KCP's and MLA-CP's own code for the last CP rank, collectives simulated locally;
 * every parameter's optimizer update (``muon_step_`` / ``adamw_step_`` with its real shape and head split).
 
 Communication is NOT in these times (no process group): the planner adds it from the gloo calibration. Results
@@ -17,12 +18,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from k3train.planning.devices import host_key, load_cache, median_time, save_cache
+
+
+# bumped whenever what bench_layers runs changes, so a calibration file never serves times of an older method
+# (2: EP layers through the real dispatcher, CP layers through KCP / MLA-CP)
+LAYERS_VERSION = 2
 
 
 def _key(cfg: Any, *parts: Any) -> str:
@@ -40,34 +47,72 @@ def _time(fn, reps: int = 3) -> float:  # noqa: ANN001
 def _model(cfg: Any, ep: int) -> torch.nn.Module:
     from k3train.model.model import K3Model
     from k3train.parallelize import cast_params_to_bf16
-    from k3train.planning.memory import _ShardDispatcher
 
     torch.manual_seed(0)
     m = K3Model(cfg.model, cfg.vision)
     if ep > 1:
+        # the real expert-parallel dispatcher (routing-count exchange, host-side plan and token layout, the
+        # index shuffles around the all-to-alls) on a simulated group: its collectives do the local work only
+        # (k3train.planning.sim_collectives; the planner's link model adds the communication). Plain EP: MoonEP's
+        # replica transfers are point-to-point, which the simulation does not cover (their cost is the model's).
+        from k3train.planning.sim_collectives import SimGroup
+        from moonep.dispatcher import EPDispatcher
         from moonep.shard import _latent_moes, shard_experts
 
-        for _, moe in _latent_moes(m):
+        for name, moe in _latent_moes(m):
+            E = moe.experts.num_experts
             shard_experts(moe.experts, ep, 0)
-            moe.dispatcher = _ShardDispatcher()
+            moe.dispatcher = EPDispatcher(num_experts=E, ep_group=SimGroup(ep, 0, "ep"), ep_ranks=list(range(ep)),
+                                          ep_rank=0, moonep=False, name=name)
     if cfg.train.dtype == "bfloat16":
         cast_params_to_bf16([m])
     m.train()
     return m
 
 
+def _cp_seq(cfg: Any, B: int, T: int) -> tuple[Any, Any]:
+    """``(batch, seq)`` of the LAST context-parallel rank (the longest MLA context) with its real KCP context,
+    built by every CP rank as threads (as the memory estimator does); its collectives are then simulated locally
+    (:mod:`k3train.planning.sim_collectives`: the same shapes and work, no peers), so a timed layer runs KCP's
+    and MLA-CP's own code -- the fold, the augmented pass, the halo -- with the communication left to the
+    planner's link model."""
+    from k3train.model.seq import SeqInfo
+    from k3train.parallelize import seq_builder
+    from k3train.planning.memory import _single_rank_cp, trace_batch
+    from k3train.planning.sim_collectives import run_ranks, simulated_collectives
+
+    C = cfg.parallel.cp
+    row = [trace_batch(cfg, B, T, r)[0] for r in range(C)]
+    with simulated_collectives():
+        ctx_seq = run_ranks(C, lambda g: seq_builder(cfg, C, g)(row[g.rank]), "cp")[C - 1]
+    seq = SeqInfo(ctx_seq.doc_ids, ctx_seq.positions, ctx_seq.cu_seqlens, _single_rank_cp(ctx_seq.cp, C - 1, C))
+    return row[C - 1], seq
+
+
 def bench_layers(cfg: Any, B: int, T: int, ep: int, threads: int) -> dict[str, Any]:
-    """``{'embed': [f, b], 'layers': [[f, b], ...], 'head': [f, b]}`` seconds for one ``[B, T]`` micro-batch."""
+    """``{'embed': [f, b], 'layers': [[f, b], ...], 'head': [f, b]}`` seconds for one ``[B, T]`` micro-batch
+    (``T`` = the rank's segment: ``seq_len / cp``; under ``cfg.parallel.cp > 1`` through the real KCP / MLA-CP
+    code of the last CP rank, :func:`_cp_seq`)."""
+    import contextlib
+
     from k3train.model.attnres import AttnResState
     from k3train.model.seq import SeqInfo
     from k3train.planning.memory import trace_batch
+    from k3train.planning.sim_collectives import simulated_collectives
 
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
+    cp = cfg.parallel.cp > 1
+    stack = contextlib.ExitStack()
     try:
         model = _model(cfg, ep)
-        batch, _ = trace_batch(cfg, B, T)
-        seq = SeqInfo.from_doc_ids(batch.doc_ids, batch.positions)
+        if cp:
+            batch, seq = _cp_seq(cfg, B, T)
+        else:
+            batch, _ = trace_batch(cfg, B, T)
+            seq = SeqInfo.from_doc_ids(batch.doc_ids, batch.positions)
+        if cp or ep > 1:
+            stack.enter_context(simulated_collectives())
         d, bs, L = cfg.model.hidden_size, cfg.model.attn_res_block_size, cfg.model.num_hidden_layers
         dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32
 
@@ -121,6 +166,7 @@ def bench_layers(cfg: Any, B: int, T: int, ep: int, threads: int) -> dict[str, A
         out["head"] = list(fb(head))
         return out
     finally:
+        stack.close()
         torch.set_num_threads(old)
 
 
@@ -149,6 +195,36 @@ def bench_optimizer(cfg: Any, infos: list[Any], threads: int) -> dict[str, float
     return out
 
 
+def _model_busy_worker(idx: int, threads: int, barrier: Any, out: Any, cfg: Any, B: int, T: int) -> None:
+    """A :func:`devices.bench_concurrency` workload: the config's whole forward + backward of one ``[B, T]``
+    micro-batch (the op mix and working set of a real step, which a small-op loop does not reproduce: two
+    processes on two cores slowed each other by ~25% on the tiny config where the small-op loop showed none)."""
+    from k3train.planning.memory import trace_batch
+
+    torch.set_num_threads(threads)
+    model = _model(cfg, 1)
+    batch, _ = trace_batch(cfg, B, T)
+
+    def step() -> None:
+        model(batch)["loss"].backward()
+        model.zero_grad(set_to_none=True)
+
+    step()
+    step()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        step()
+    out[idx] = time.perf_counter() - t0
+
+
+def bench_model_concurrency(cfg: Any, B: int, T: int, max_procs: int, threads: int) -> dict[str, float]:
+    """``{n: speed}``: a rank's speed on this config's step while ``n`` ranks of the host run it at once."""
+    from k3train.planning.devices import bench_concurrency
+
+    return bench_concurrency(max_procs, threads, _model_busy_worker, (cfg, B, T))
+
+
 def opt_sig(inf: Any) -> str:
     return f"{inf.kind}|{inf.layout}|{tuple(inf.param.shape)}|{inf.heads}|{tuple(inf.segments)}"
 
@@ -166,11 +242,24 @@ class LayerTimes:
         return self.data.setdefault(self.host, {}).setdefault("layers", {})
 
     def layers(self, cfg: Any, B: int, T: int, ep: int) -> dict[str, Any]:
-        k = _key(cfg, f"B={B}", f"T={T}", f"ep={ep}")
+        cp = cfg.parallel.cp
+        k = _key(cfg, f"v{LAYERS_VERSION}", f"B={B}", f"T={T}", f"ep={ep}", *([f"cp={cp}"] if cp > 1 else []))
         slot = self._slot()
         if k not in slot:
-            self.log(f"timing layers at [{B}, {T}] tokens, ep={ep} ...")
+            self.log(f"timing layers at [{B}, {T}] tokens, ep={ep}{f', cp={cp} (KCP code)' if cp > 1 else ''} ...")
             slot[k] = bench_layers(cfg, B, T, ep, self.threads)
+            self.dirty = True
+        return slot[k]
+
+    def concurrency(self, cfg: Any, procs: int) -> dict[str, float]:
+        """This config's :func:`bench_model_concurrency` curve for 1..``procs`` ranks at its own micro-batch
+        shape (cached)."""
+        B, T = cfg.train.micro_batch_size, cfg.train.seq_len
+        k = _key(cfg, f"B={B}", f"T={T}")
+        slot = self.data.setdefault(self.host, {}).setdefault("concurrency", {})
+        if len(slot.get(k, {})) < procs:
+            self.log(f"calibrating concurrency on this config's step: 1..{procs} processes at once ...")
+            slot[k] = bench_model_concurrency(cfg, B, T, procs, self.threads)
             self.dirty = True
         return slot[k]
 

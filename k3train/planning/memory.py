@@ -16,6 +16,12 @@ booked by :class:`~k3train.planning.live_bytes.LiveBytes`; nothing the size of t
   (:mod:`k3train.planning.sim_collectives`: same shapes and in-place writes, no peers). Long sequences (tokens x
   layers over ``TRACE_BUDGET``: K3) trace each distinct layer alone at 1K/2K/4K tokens, fit a + bT + cT^2
   exactly and compose the chunk (:func:`trace_chunk`; under CP at ranks 0 and 1, extended affinely in the rank);
+* a vision model's first stage: ``embed_batch`` -- the MoonViT-V2 encoder + projector on the micro-batch's media
+  and the placeholder scatter, inside the chunk's forward and backward as the runner runs it -- on the media
+  :class:`MediaCase` names: on multimodal data by default the WORST CASE (every position of every row a
+  placeholder of the largest images ``data.max_media_pixels`` allows that fit a row; ``frames`` per media), or
+  the data's own media, or none (the default on text data); the step's pixels are in ``buffers``. The tower's parameters, gradients and optimizer state are the first
+  chunk's like any other (the stage model holds them);
 * the optimizer update: ``muon_step_`` / ``adamw_step_`` on the largest owned parameters (Newton-Schulz
   temporaries);
 * ownership: ``k3train.optim.param_groups.build_param_infos`` + ``k3train.optim.zero.assign_owners`` over the
@@ -148,6 +154,117 @@ def trace_batch(cfg: Config, B: int, T: int, cp_rank: int = 0) -> tuple[Any, str
     return batch, "a synthetic (one document per row)"
 
 
+@dataclass(frozen=True)
+class MediaCase:
+    """The media the first stage's traced step encodes (models with ``vision.enabled`` only).
+
+    * ``source="worst"`` (default): synthetic media of the worst case for the micro-batch (:func:`worst_case_grids`):
+      EVERY position of every row is a media placeholder, filled by the largest square images
+      ``data.max_media_pixels`` allows that fit a row (a row shorter than one such image: the largest that fits),
+      the rest of the row by one strip image one merged token high; ``frames`` per media (1: images; up to
+      ``vision.pos_emb_time``: clips, ``frames`` x the patches per LM token). The encoder's work and memory
+      are linear in the patches (the attention kernels are flash-style), so this is the most a row can cost;
+    * ``source="data"``: the run's own micro-batches' media when the dataset can be read (real multimodal
+      micro-batches only; synthetic rows get the worst case) -- what ``--measure`` runs;
+    * ``source="none"``: no media (the encoder runs on zero patches: a vision model on text data).
+    * ``source="auto"`` (default): ``worst`` when the run's data can hold media (``data.format: multimodal``),
+      else ``none`` (``configs/k3.yaml`` trains its vision model on a text corpus: no media can occur).
+    """
+    source: str = "auto"
+    frames: int = 1
+
+    def resolved(self, cfg: Config) -> "MediaCase":
+        """``auto`` decided for ``cfg`` (module docstring); any other source unchanged."""
+        if self.source != "auto":
+            return self
+        return MediaCase("worst" if cfg.data.format == "multimodal" else "none", self.frames)
+
+    def check(self, cfg: Config) -> None:
+        if self.source not in ("auto", "worst", "data", "none"):
+            raise ValueError(f"media case: source must be 'auto', 'worst', 'data' or 'none', got {self.source!r}")
+        if cfg.vision.enabled and not 1 <= self.frames <= cfg.vision.pos_emb_time:
+            raise ValueError(f"media case: frames must be in [1, vision.pos_emb_time={cfg.vision.pos_emb_time}] "
+                             f"(the most frames a clip may have), got {self.frames}")
+
+    def note(self, cfg: Config) -> str:
+        """How the estimate's first stage traced the encoder (for the layout line)."""
+        if not cfg.vision.enabled:
+            return ""
+        if self.source == "none":
+            return "; vision encoder on no media"
+        side = worst_case_side(cfg, cfg.train.seq_len) * cfg.vision.patch_size * cfg.vision.merge_size
+        what = "images" if self.frames == 1 else f"{self.frames}-frame clips"
+        worst = (f"every position of each {cfg.train.seq_len}-token row a placeholder of {side}x{side} px {what} "
+                 f"(worst case, data.max_media_pixels={cfg.data.max_media_pixels}; any remainder one strip image)")
+        return "; vision encoder on " + (worst if self.source == "worst" else
+                                          f"the data's own media (synthetic rows: {worst})")
+
+
+def worst_case_side(cfg: Config, row_len: int) -> int:
+    """Side, in merged tokens, of the largest square media of the worst case: ``s x s`` tokens
+    (``s * patch_size * merge`` px) with ``(s * patch_size * merge)^2 <= data.max_media_pixels`` and
+    ``s^2 <= row_len``."""
+    import math
+
+    unit = cfg.vision.patch_size * cfg.vision.merge_size
+    return max(1, min(math.isqrt(cfg.data.max_media_pixels) // unit, math.isqrt(row_len)))
+
+
+def worst_case_grids(cfg: Config, row_len: int, frames: int = 1) -> list[tuple[int, int, int]]:
+    """Patch grids ``(t, h, w)`` of one row of :class:`MediaCase`'s worst case: ``row_len // s^2`` square media
+    of ``s x s`` merged tokens (:func:`worst_case_side`) and, for the ``r`` positions left, one strip of ``1 x r``
+    merged tokens (``r * unit^2 < s^2 * unit^2`` px: within the pixel limit). Exactly ``row_len`` tokens."""
+    m = cfg.vision.merge_size
+    s = worst_case_side(cfg, row_len)
+    k, r = divmod(row_len, s * s)
+    return [(frames, s * m, s * m)] * k + ([(frames, m, r * m)] if r else [])
+
+
+def media_batch(cfg: Config, batch: Any, case: MediaCase, cp_rank: int | None, fake: FakeTensorMode) -> Any:
+    """``batch`` with the media :class:`MediaCase` asks for: the pixels fake (made in ``fake``), the tokens,
+    grids and offsets real (the model plans the encoder's loop on them, as on real data). Under CP (``cp_rank``
+    set) ``batch`` is one CP segment of rows ``cp * T`` long: the media cover the FULL rows and
+    ``media_offsets`` place this segment's placeholders (as ``Batch.slice_cp``; every CP rank encodes them all,
+    ``vision_cp`` unset: an upper bound where the encoder's patch split would apply)."""
+    import dataclasses
+
+    from k3train.model.media import MediaInputs
+
+    ph = cfg.model.media_placeholder_token_id
+    real_mm = batch.media_token_id is not None  # a multimodal micro-batch from the run's loader
+    if case.source == "data" and real_mm:
+        return batch
+    if case.source == "none":
+        tokens = batch.tokens.masked_fill(batch.tokens == ph, 3) if real_mm else batch.tokens
+        return dataclasses.replace(batch, tokens=tokens, media=None, media_rows=None, media_token_id=None,
+                                   media_offsets=None)
+    B, T = batch.tokens.shape
+    C = cfg.parallel.cp if cp_rank is not None else 1
+    grids = worst_case_grids(cfg, T * C, case.frames)
+    p = cfg.vision.patch_size
+    n = B * sum(t * h * w for t, h, w in grids)
+    with fake:
+        pixels = torch.empty(n, 3, p, p)
+    media = MediaInputs(pixels, torch.tensor(grids * B, dtype=torch.long).reshape(-1, 3))
+    offsets = torch.arange(B, dtype=torch.long) * (T * C) + (cp_rank or 0) * T if C > 1 else None
+    return dataclasses.replace(batch, tokens=torch.full_like(batch.tokens, ph), media=media,
+                               media_rows=torch.arange(B).repeat_interleave(len(grids)), media_token_id=ph,
+                               media_offsets=offsets, vision_cp=None)
+
+
+def media_pixel_bytes(cfg: Config, step: list[Any] | None, case: MediaCase) -> int:
+    """Bytes of one step's media pixels on a rank (the loader hands over all ``grad_accum_steps`` micro-batches
+    of a step at once, each with the media of its full rows, float32): the real ones of ``step`` with
+    ``source="data"`` and real data, else the worst case's (``micro_batch_size`` rows of ``seq_len``)."""
+    if not cfg.vision.enabled or case.source == "none":
+        return 0
+    if case.source == "data" and step and all(mb.media_token_id is not None for mb in step):
+        return sum(mb.media.pixel_values.nbytes for mb in step if mb.media is not None)
+    p = cfg.vision.patch_size
+    patches = sum(t * h * w for t, h, w in worst_case_grids(cfg, cfg.train.seq_len, case.frames))
+    return cfg.train.grad_accum_steps * cfg.train.micro_batch_size * patches * 3 * p * p * 4
+
+
 def data_microbatches(cfg: Config, dp_rank: int = 0, cp_rank: int = 0,
                       steps: tuple[int, int] = (1, 3)) -> list[list[Any]] | None:
     """This run's real micro-batches of steps ``steps`` (0-based, end exclusive: the 2nd and 3rd -- the steps
@@ -256,10 +373,11 @@ def _track_existing(lb: LiveBytes, model: nn.Module | None, *objs: Any) -> None:
 
 def trace_range(cfg: Config, model: nn.Module, s: int, e: int, first: bool, last: bool, batch: Any,
                 fake: FakeTensorMode, recompute: bool, cp_rank: int | None = None,
-                cp_row: list[Any] | None = None) -> tuple[int, int, int]:
-    """Forward + backward of layers ``[s, e)`` (with the embedding when ``first``, the head + MTP when ``last``)
-    on one micro-batch, as ``PipelineRunner._forward/_backward`` (or ``LocalRunner._run``) run it, from the
-    canonical AttnRes input state of layer ``s``. Returns ``(saved, f_peak, b_peak)``: bytes alive after the
+                cp_row: list[Any] | None = None, media: MediaCase | None = None) -> tuple[int, int, int]:
+    """Forward + backward of layers ``[s, e)`` (with ``embed_batch`` when ``first``: the embedding and, for a
+    vision model, the encoder on the media ``media`` asks for -- :class:`MediaCase`; the head + MTP when
+    ``last``) on one micro-batch, as ``PipelineRunner._forward/_backward`` (or ``LocalRunner._run``) run it, from
+    the canonical AttnRes input state of layer ``s``. Returns ``(saved, f_peak, b_peak)``: bytes alive after the
     forward, and the peaks above the pre-forward live bytes during the forward and the backward."""
     from k3train.model.attnres import AttnResState, canonical_layout
     from k3train.model.seq import SeqInfo
@@ -283,6 +401,9 @@ def trace_range(cfg: Config, model: nn.Module, s: int, e: int, first: bool, last
             ctx_seq = run_ranks(C, lambda g: seq_builder(cfg, C, g)(row[g.rank]), "cp")[cp_rank]
         seq = SeqInfo(ctx_seq.doc_ids, ctx_seq.positions, ctx_seq.cu_seqlens,
                       _single_rank_cp(ctx_seq.cp, cp_rank, C))
+    if first and getattr(model, "vision", None) is not None:
+        batch = media_batch(cfg, batch, (media or MediaCase()).resolved(cfg), cp_rank if cfg.parallel.cp > 1 else None, fake)
+        model.vision.encoder.recompute_blocks = cfg.parallel.recompute  # as the runner sets it
     lb = LiveBytes()
     with fake:
         leaves: list[torch.Tensor] = []
@@ -294,11 +415,11 @@ def trace_range(cfg: Config, model: nn.Module, s: int, e: int, first: bool, last
         # everything that exists before the step (weights, their .grad, buffers such as the router's counters,
         # the batch, the sequence layout, the received inputs) is booked first, so that a view or an in-place op
         # on it is not mistaken for a new storage (the real run books them at creation)
-        _track_existing(lb, model, batch, seq, leaves)
+        _track_existing(lb, model, batch, batch.media, seq, leaves)
         base = lb.live
 
         def run() -> Any:
-            state = (model.embed(batch.tokens) if first
+            state = (model.embed_batch(batch) if first
                      else AttnResState(blocks=list(leaves[:n_in]), partial=leaves[-1] if has_partial else None))
             state = model.forward_layers(state, s, e, seq)
             return model.loss_sums(state, batch, seq) if last else state
@@ -365,7 +486,8 @@ def layer_signature(cfg: Config, i: int) -> tuple:
 
 def trace_chunk(cfg: Config, model: nn.Module, part: Any, plan: Any, v: int, chunk: int, batch: Any,
                 fake: FakeTensorMode, cache: dict | None = None, batch_hi: Any = None,
-                cp_rank: int = 0, rows: tuple[Any, Any] = (None, None)) -> ChunkTrace:
+                cp_rank: int = 0, rows: tuple[Any, Any] = (None, None),
+                media: MediaCase | None = None) -> ChunkTrace:
     """Virtual stage ``v`` on one micro-batch of CP rank ``cp_rank`` (see :func:`trace_range`; composed per layer
     above ``TRACE_BUDGET``, ``cache`` holding the per-signature fits).
 
@@ -382,9 +504,10 @@ def trace_chunk(cfg: Config, model: nn.Module, part: Any, plan: Any, v: int, chu
     hi = None
     C = cfg.parallel.cp
     if B * T * cfg.model.num_hidden_layers <= TRACE_BUDGET:
-        saved, f_peak, b_peak = trace_range(cfg, model, s, e, first, last, batch, fake, recompute, cp_rank, rows[0])
+        saved, f_peak, b_peak = trace_range(cfg, model, s, e, first, last, batch, fake, recompute, cp_rank, rows[0],
+                                            media)
         if batch_hi is not None:
-            hi = trace_range(cfg, model, s, e, first, last, batch_hi, fake, recompute, cp_rank, rows[1])
+            hi = trace_range(cfg, model, s, e, first, last, batch_hi, fake, recompute, cp_rank, rows[1], media)
     else:
         cache = {} if cache is None else cache
         L = cfg.model.num_hidden_layers
@@ -393,12 +516,14 @@ def trace_chunk(cfg: Config, model: nn.Module, part: Any, plan: Any, v: int, chu
             reps[layer_signature(cfg, i)] = i
 
         def piece(key: tuple, a: int, b: int, fst: bool, lst: bool) -> tuple[int, int, int]:
-            ck = key + (B, C, id(model))  # the fits depend on the micro-batch rows, the CP size and the model
+            # the fits depend on the rows, the CP size, the model; the encoder's on the media and block recompute
+            ck = key + (B, C, id(model)) + ((media, cfg.parallel.recompute) if key == ("embed",) else ())
             if ck not in cache:
                 fits = []
                 for r in ((0, 1) if C > 1 else (0,)):
                     ys = [trace_range(cfg, model, a, b, fst, lst, trace_batch(cfg, B, t // B, r)[0], fake, False,
-                                      r if C > 1 else None) for t in COMPOSE_TOKENS]  # synthetic CP rows
+                                      r if C > 1 else None, None, media)
+                          for t in COMPOSE_TOKENS]  # synthetic CP rows
                     fits.append([_quadratic_fit(COMPOSE_TOKENS, [y[k] for y in ys]) for k in range(3)])
                 cache[ck] = fits
             fits = cache[ck]
@@ -550,8 +675,14 @@ def walk_schedule(program: list[Any], traces: dict[int, ChunkTrace], grad_full: 
 
 
 # --------------------------------------------------------------------------------------------------------------
-def estimate(cfg: Config, world_size: int, cache: Any = None) -> Estimate:
+def estimate(cfg: Config, world_size: int, cache: Any = None, media: MediaCase | None = None) -> Estimate:
     """Per-rank memory of one training step of ``cfg`` on ``world_size`` ranks (see the module docstring).
+
+    ``media`` (a vision model): what the first stage's encoder is traced on (:class:`MediaCase`; default
+    ``auto``: on multimodal data the worst case -- every position of the micro-batch a placeholder of the largest
+    images the config allows --, on text data no media). The
+    step's media pixels (float32, every micro-batch of the step, on every rank: the loader holds them) are in
+    ``buffers`` (``detail["media_pixels"]``).
 
     ``cache`` (optional, e.g. ``k3train.planning.plan.EstimateCache``; one per model config): shares the fake
     mode, the fake full model per ep (``cache.full_model(cfg, ep, fake)``), the composed per-layer fits
@@ -566,6 +697,8 @@ def estimate(cfg: Config, world_size: int, cache: Any = None) -> Estimate:
     from parallel.pipeline.schedules import build_schedule, resolve_schedule
 
     t0 = time.perf_counter()
+    media = (media or MediaCase()).resolved(cfg)
+    media.check(cfg)
     pc = cfg.parallel
     dims0 = ParallelDims.from_config(pc, world_size, 0)
     P, D, C, E = dims0.pp, dims0.dp, dims0.cp, dims0.ep
@@ -592,6 +725,7 @@ def estimate(cfg: Config, world_size: int, cache: Any = None) -> Estimate:
     # document segments of every micro-batch of the costed steps, per (dp, cp) rank (rank (0, 0)'s for all when
     # there are more than 16 data ranks)
     rank_segs: dict[tuple[int, int], list[list[int | None]]] = {}
+    px_bytes: dict[tuple[int, int], int] = {}  # per (dp, cp) rank: one step's media pixels (real data)
     piece_cache: dict = cache.pieces if cache is not None else {}
     stages: list[dict[str, Any]] = []
     if cache is not None:
@@ -628,6 +762,7 @@ def estimate(cfg: Config, world_size: int, cache: Any = None) -> Estimate:
                     hi = flat[-1] if nch(flat[-1][0]) > nch(flat[0][0]) else (None, None)
                     cp_batches[cr] = (flat[0][0], hi[0], flat[0][1], hi[1])
                 rank_segs = {dc: [[nch(mb) for mb in step] for step in st] for dc, st in data.items()}
+                px_bytes = {dc: max(media_pixel_bytes(cfg, step, media) for step in st) for dc, st in data.items()}
                 batch_src = ("the run's data (steps 2-3; the least and most padded micro-batch of each CP rank, "
                              "others interpolated by their padded KDA chunks)")
             else:
@@ -640,7 +775,7 @@ def estimate(cfg: Config, world_size: int, cache: Any = None) -> Estimate:
         for cr in range(C):
             batch, batch_hi, row, row_hi = cp_batches[cr]
             traces_cp[cr] = {c: trace_chunk(cfg, full, part, plan, part.stage(pp_rank, c) if P > 1 else 0, c,
-                                            batch, fake, piece_cache, batch_hi, cr, (row, row_hi))
+                                            batch, fake, piece_cache, batch_hi, cr, (row, row_hi), media)
                              for c in range(len(local_chunks))}
         traces = traces_cp[0]
         params = _nbytes(list(model.parameters())) + _nbytes(list(model.buffers()))
@@ -688,7 +823,8 @@ def estimate(cfg: Config, world_size: int, cache: Any = None) -> Estimate:
                     step_peak = g_end + ns_t + _bucket_transient(infos, owned, pc.zero)
                     owned_cache[key] = (opt, peak_dyn, act, g_at, where, step_peak, g_end)
                 opt, peak_dyn, act, g_at, where, step_peak, g_end = owned_cache[key]
-                bufs = ep_persist + p2p_bufs
+                media_px = px_bytes.get((d, c), px_bytes.get((0, c), media_pixel_bytes(cfg, None, media)))
+                bufs = ep_persist + p2p_bufs + media_px
                 if step_peak > peak_dyn:
                     peak, where, grads_at, act_at = params + opt + bufs + step_peak, "optimizer step", g_end, 0
                 else:
@@ -697,7 +833,7 @@ def estimate(cfg: Config, world_size: int, cache: Any = None) -> Estimate:
                                         params=params, grads=grads_at, optimizer=opt, activations=act_at,
                                         buffers=bufs, peak=peak, peak_at=where,
                                         detail={"ep_token_buffers": ep_persist, "moonep_replicas_per_layer": replica,
-                                                "p2p": p2p_bufs, "moe_layers": n_moe}))
+                                                "p2p": p2p_bufs, "moe_layers": n_moe, "media_pixels": media_px}))
         stages.append({"pp_rank": pp_rank, "chunks": [asdict(t) for t in traces.values()],
                        "layers": [list(x) for x in local_chunks]})
         del model
@@ -706,7 +842,7 @@ def estimate(cfg: Config, world_size: int, cache: Any = None) -> Estimate:
         stages.append({"pieces": {"/".join(str(x) for x in k): v for k, v in piece_cache.items()}})
     layout = (f"world={world_size} pp={P} vpp={part.vpp} dp={D} cp={C} ep={E} zero={pc.zero} moonep={pc.moonep} "
               f"recompute={pc.recompute} dtype={cfg.train.dtype} mbs={B} seq={cfg.train.seq_len} M={M}; "
-              f"traced on {batch_src} micro-batch")
+              f"traced on {batch_src} micro-batch{media.note(cfg)}")
     return Estimate(layout=layout, ranks=ranks, stages=stages, seconds=time.perf_counter() - t0)
 
 

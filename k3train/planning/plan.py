@@ -13,8 +13,9 @@ Order of work (cheapest first, every skip exact):
 4. Memory: :func:`k3train.planning.memory.estimate` (the real code on fake tensors) for each simulated layout that
    could enter the ranking, with an :class:`EstimateCache` shared by all (fake full model per ep, per-layer fits,
    optimizer transients) -- ``fits`` = worst rank's peak <= device memory. A layout traced too big sends its
-   recompute twin to the front of the queue and marks its lower-ZeRO twins too big without a trace
-   (``skipped: 'zero twin too big'``: ZeRO-0/1 shard less than ZeRO-2, so they hold at least as much per rank).
+   recompute twin to the front of the queue and marks too big without a trace every layout of its family that
+   holds at least as much per rank (lower ZeRO, larger micro-batch, smaller cp or ep:
+   ``skipped: 'needs more memory than a layout traced too big'``).
 
 ``--exhaustive`` simulates and traces every layout (small spaces; the tests use it).
 """
@@ -174,6 +175,9 @@ class Planner:
         t_sim = t_mem = 0.0
         n_traced = 0
         by_layout = {r.layout: r for r in live}
+        families: dict[tuple, list[Row]] = {}
+        for r in live:
+            families.setdefault(_family(r.layout), []).append(r)
         seen: set[Layout] = set()
         urgent: deque[Row] = deque()  # recompute twins of layouts found too big: examined next
 
@@ -221,15 +225,16 @@ class Planner:
                 if not lay.recompute:
                     fits_norc.add(lay)
             elif not self.exhaustive:
-                self._too_big_follow_ups(r, by_layout, seen, urgent)
+                self._too_big_follow_ups(r, by_layout, seen, urgent, families)
         if self.lt is not None:
             self.lt.save()
         why = {
             "slower": "layouts not simulated/traced: their step-time lower bound (or prediction) is above the "
                       f"{self.top}th fitting layout's prediction",
             "dominated": "recompute layouts skipped: their twin without recompute fits and is faster",
-            "zero twin too big": "layouts not traced: the same layout with a higher ZeRO stage (less memory per "
-                                 "rank) was traced too big",
+            "needs more memory than a layout traced too big":
+                "layouts not traced: a layout of the same pp / vpp / schedule / recompute / MoonEP with a ZeRO stage, "
+                "cp and ep no lower and a micro-batch no larger (so no more memory per rank) was traced too big",
             "trace budget": f"layouts predicted but not traced: memory trace budget ({self.trace_budget_s:.0f} s) "
                             "spent",
             "simulation budget": "layouts with the largest step-time lower bounds not simulated: simulation "
@@ -247,19 +252,27 @@ class Planner:
                           seconds=secs, notes=notes)
 
     @staticmethod
-    def _too_big_follow_ups(r: Row, by_layout: dict[Layout, Row], seen: set[Layout], urgent: deque) -> None:
-        """After ``r`` was traced too big: its lower-ZeRO twins (which shard less, so hold at least as much per
-        rank) are too big without a trace, and its recompute twin -- the layout that keeps the same parallelism
-        within memory, slower by about one extra forward -- is examined next instead of when its step-time bound
+    def _too_big_follow_ups(r: Row, by_layout: dict[Layout, Row], seen: set[Layout], urgent: deque,
+                            families: dict[tuple, list[Row]] | None = None) -> None:
+        """After ``r`` was traced too big: every layout of its family (same pp, vpp, schedule, recompute, MoonEP)
+        that holds at least as much per rank is too big without a trace -- a ZeRO stage no higher (shards less),
+        a micro-batch no smaller (more activations), cp no larger (longer sequence per rank; pp fixed, so dp is
+        larger, which shards nothing ZeRO does not), ep no larger (more experts and their gradients, optimizer
+        state and replica pool per rank) -- and its recompute twin (the layout that keeps the same parallelism
+        within memory, slower by about one extra forward) is examined next instead of when its step-time bound
         comes up (at K3 scale no layout without recompute fits, and the budget would go to more of them)."""
         from dataclasses import replace
 
         lay = r.layout
-        for z in range(lay.zero):
-            twin = by_layout.get(replace(lay, zero=z))
-            if twin is not None and twin.layout not in seen:
-                seen.add(twin.layout)
-                twin.fits, twin.skipped = False, "zero twin too big"
+        fam = (families or {}).get(_family(lay))
+        if fam is None:  # no family index: the ZeRO twins only
+            fam = [t for t in (by_layout.get(replace(lay, zero=z)) for z in range(lay.zero)) if t is not None]
+        for twin in fam:
+            t = twin.layout
+            if (t not in seen and t.zero <= lay.zero and t.mbs >= lay.mbs and t.cp <= lay.cp and t.ep <= lay.ep
+                    and t != lay):
+                seen.add(t)
+                twin.fits, twin.skipped = False, "needs more memory than a layout traced too big"
         if not lay.recompute:
             rc = by_layout.get(replace(lay, recompute=True))
             if rc is not None and rc.layout not in seen:
@@ -274,6 +287,11 @@ class Planner:
         r.peak_bytes = max(x.peak for x in est.ranks)
         r.stage_peaks = [max(x.peak for x in est.ranks if x.pp_rank == p) for p in range(r.layout.pp)]
         r.fits = r.peak_bytes <= self.dev.hbm_bytes
+
+
+def _family(lay: Layout) -> tuple:
+    """Layouts whose per-rank memory orders by (zero, micro-batch, cp, ep) alone (``_too_big_follow_ups``)."""
+    return (lay.pp, lay.vpp, lay.schedule, lay.recompute, lay.moonep)
 
 
 def _core(r: Row) -> tuple:
@@ -377,8 +395,9 @@ def plot(res: PlanResult, path: str, chosen: Row | None, mark: Row | None = None
 # --------------------------------------------------------------------------------------------------------------
 def measure_step_time(config: str, overrides: list[str], world: int, steps: int = 4, threads: int = 1,
                       timeout: float = 1800) -> float:
-    """Median ``step_time_s`` (metrics.jsonl) of steps 2..``steps`` of a real torchrun training run (``threads``
-    intra-op threads per rank: the calibration's)."""
+    """Median ``step_time_s`` (metrics.jsonl) of steps 3..``steps`` (2..``steps`` for fewer than 5 steps) of a real
+    torchrun training run (``threads`` intra-op threads per rank: the calibration's). The first two steps are
+    warm-up: the first allocates optimizer state, and the second was still 5-10% slower in runs here."""
     import json
     import os
     import subprocess
@@ -399,7 +418,8 @@ def measure_step_time(config: str, overrides: list[str], world: int, steps: int 
         if p.returncode != 0:
             raise RuntimeError(f"measure run failed (exit {p.returncode}): {' '.join(cmd)}\n{p.stderr[-3000:]}")
         recs = [json.loads(x) for x in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    ts = sorted(r["step_time_s"] for r in recs if r["step"] > 1)
+    skip = 2 if steps >= 5 else 1
+    ts = sorted(r["step_time_s"] for r in recs if r["step"] > skip)
     if not ts:
         raise RuntimeError("measure run logged no step after the first")
     return ts[len(ts) // 2]

@@ -16,17 +16,21 @@ Per virtual stage and micro-batch (``B = micro_batch_size`` rows of ``T = seq_le
   adds the redundant experts' weight prefetch (``min(E/ep, ceil((skew-1) E/ep))`` experts of ``3 l f`` each) and
   their fp32 gradient reduce-back; ``1 - ep_overlap`` of it is exposed. KCP -- per KDA layer one all-gather of
   the ``B x H x dk x (dk+dv)`` fp32 pairs forward and one backward; MLA-CP -- per MLA layer an all-gather of the
-  ``B x T x (kv_lora_rank + rope)`` latents forward and a reduce-scatter backward. Ring formulas
-  (``(n-1)`` latency steps, ``(n-1)/n x bytes`` per rank) on the link the group spans.
+  ``B x T x (kv_lora_rank + rope)`` latents forward and a reduce-scatter backward; KCP's short-convolution halo
+  and per-micro-batch layout exchange; the MTP layer's on the last stage. Ring formulas (``(n-1)`` latency
+  steps, ``(n-1)/n x bytes`` per rank) on the link the group spans, plus ``Device.call_cost(kind)`` per call
+  (cpu: what a small all-reduce costs while every rank of the host computes, ``devices.bench_loaded_collective``:
+  with more ranks than cores a collective waits for descheduled peers; GPUs: 0).
 * p2p: the cached AttnRes plan's payload per boundary (``memory.plan_bytes``) over the link between the two ranks.
 
 The schedule: :func:`parallel.pipeline.p2p.build_programs` gives every pipeline rank's real program (receives
 posted, computes, sends); :func:`simulate_programs` executes those programs event by event -- a compute starts
 when its inputs have arrived, a send occupies its link -- so the bubble is the real schedule's. On a CPU the ranks
 of the host share its cores: while ``n`` ranks compute (every busy pipeline rank times its dp x cp replicas), each
-runs at ``Device.rank_speed(n)`` -- measured on this host (``devices.bench_concurrency``: n processes running the
-same small-op workload), which is below plain processor sharing ``min(1, cores / n)``: ranks also compete for
-caches and memory bandwidth, and past the core count the scheduler's switching costs more.
+runs at ``Device.rank_speed(n)`` -- measured on this host (``devices.bench_concurrency``; ``tools/plan.py`` takes
+the curve of n processes running this config's own forward + backward, ``layer_bench.bench_model_concurrency``),
+which is below plain processor sharing ``min(1, cores / n)``: ranks also compete for caches and memory bandwidth,
+and past the core count the scheduler's switching costs more.
 
 After the pipeline: gradients (parameter dtype) all-reduced over ``dp_cp`` (dense) and ``edp`` (routed experts) at
 ZeRO 0/1; at ZeRO-2 reduced to owners per chunk as soon as the chunk's last backward ends (overlapping the rest of
@@ -86,9 +90,10 @@ class ParamFacts:
         piece_of = {}
         for inf in infos:
             head = inf.fqn.split(".")
-            # the vision tower lives with the embedding on the first stage
+            # the vision tower lives with the embedding on the first stage (its own key: the last stage's MTP
+            # copy of the shared embedding holds embed_tokens only)
             key: Any = int(head[1]) if head[0] == "layers" else (
-                "embed" if head[0] in ("embed_tokens", "vision") else "head")
+                "embed" if head[0] == "embed_tokens" else "vision" if head[0] == "vision" else "head")
             piece_of[inf.fqn] = key
             p = pieces.setdefault(key, [0.0, 0.0, 0.0, 0.0, 0.0])
             ex = is_expert_param(inf.param)
@@ -105,7 +110,7 @@ class ParamFacts:
             s, e = part.bounds[v]
             keys += list(range(s, e))
             if v == 0:
-                keys.append("embed")
+                keys += ["embed", "vision"]
             if v == part.num_stages - 1:
                 keys.append("head")
                 if part.pp > 1 and "embed" not in keys:
@@ -115,7 +120,7 @@ class ParamFacts:
     def chunk_numel(self, part: Any, v: int, ep: int) -> float:
         """Parameters (experts: this rank's 1/ep) of virtual stage ``v``."""
         s, e = part.bounds[v]
-        keys: list[Any] = list(range(s, e)) + (["embed"] if v == 0 else [])
+        keys: list[Any] = list(range(s, e)) + (["embed", "vision"] if v == 0 else [])
         if v == part.num_stages - 1:
             keys += ["head"] + (["embed"] if part.pp > 1 and v != 0 else [])
         return sum(self.pieces.get(k, [0.0] * 5)[0] + self.pieces.get(k, [0.0] * 5)[1] / ep for k in keys)
@@ -171,19 +176,18 @@ def group_link(ranks: Any, dev: Device) -> tuple[float, float]:
     return dev.link(node_of(ranks[0], dev) == node_of(ranks[-1], dev))
 
 
-def ring_time(kind: str, nbytes: float, ranks: list[int], dev: Device) -> float:
+def ring_time(kind: str, nbytes: float, ranks: Any, dev: Device, calls: int = 1) -> float:
     """``kind``: 'all_reduce' | 'all_gather' | 'reduce_scatter' | 'all_to_all' (``nbytes``: the full buffer of one
-    rank; all-gather: the gathered result)."""
+    rank; all-gather: the gathered result), issued as ``calls`` collective calls (each pays ``dev.call_cost(kind)``)."""
     n = len(ranks)
-    if n <= 1 or nbytes <= 0:
+    if n <= 1 or calls <= 0:
         return 0.0
     lat, bw = group_link(ranks, dev)
+    fixed = calls * dev.call_cost(kind)
     if kind == "all_reduce":
-        return 2 * (n - 1) * lat + 2 * (n - 1) / n * nbytes / bw
-    if kind in ("all_gather", "reduce_scatter"):
-        return (n - 1) * lat + (n - 1) / n * nbytes / bw
-    if kind == "all_to_all":
-        return (n - 1) * lat + (n - 1) / n * nbytes / bw
+        return fixed + calls * 2 * (n - 1) * lat + 2 * (n - 1) / n * max(0.0, nbytes) / bw
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return fixed + calls * (n - 1) * lat + (n - 1) / n * max(0.0, nbytes) / bw
     raise ValueError(kind)
 
 
@@ -232,43 +236,54 @@ def layer_compute(cfg: Any, dev: Device, lay: Any, layer_times: Any, skew: float
 
 
 def comm_per_layer(cfg: Any, dev: Device, lay: Any, skew: float) -> tuple[list[float], list[float]]:
-    """Per layer (forward, backward) exposed EP / KCP / MLA-CP seconds per micro-batch (module docstring)."""
+    """Per layer (forward, backward) exposed EP / KCP / MLA-CP seconds per micro-batch (module docstring); the
+    list has one more entry than the backbone: the MTP layer (MLA attention + the last layer's FFN kind), which
+    runs on the last stage. Call counts are the implementation's (checked against a traced step)."""
     m = cfg.model
     es = 2 if cfg.train.dtype == "bfloat16" else 4
     B, T = lay.mbs, cfg.train.seq_len // lay.cp
     N = B * T
     # ParallelDims' order: an EP group is ep consecutive ranks of one stage, a CP group cp consecutive ranks
     ep_ranks, cp_ranks = range(lay.ep), range(lay.cp)
+    L = m.num_hidden_layers
+    layers = list(range(L)) + ([L - 1] if m.num_nextn_predict_layers else [])
     fw, bw = [], []
-    for i in range(m.num_hidden_layers):
+    for j, i in enumerate(layers):
+        kind = "mla" if j == L else m.layer_kind(i)
         f = b = 0.0
         if lay.ep > 1 and m.is_moe_layer(i):
             rows = N * m.num_experts_per_token
             sk = 1.0 if lay.moonep else skew
-            a2a = ring_time("all_to_all", rows * m.routed_expert_hidden_size * es * sk, ep_ranks, dev)
-            f += 2 * a2a
-            b += 2 * a2a
+            # moonep/dispatcher.py: forward = routing-count all-gather + dispatch + combine all-to-all; backward
+            # = the two all-to-alls of the gradients
+            a2a = ring_time("all_to_all", 2 * rows * m.routed_expert_hidden_size * es * sk, ep_ranks, dev, calls=2)
+            f += a2a + ring_time("all_gather", lay.ep * m.num_experts * 4, ep_ranks, dev)
+            b += a2a
             if lay.moonep:
                 n_loc = m.num_experts // lay.ep
                 red = min(n_loc, math.ceil(max(0.0, skew - 1.0) * n_loc))
                 w = 3 * m.routed_expert_hidden_size * m.moe_intermediate_size
                 lat, bwid = group_link(ep_ranks, dev)
-                if red:
-                    f += lat + red * w * es / bwid
-                    b += lat + red * w * 4 / bwid
-                f += ring_time("all_gather", lay.ep * m.num_experts * 4, ep_ranks, dev)  # routing counts
+                if red:  # the shared replica pool: fetched in forward, fetched again + fp32 grads reduced back
+                    f += dev.call_cost("p2p") + lat + red * w * es / bwid
+                    b += 2 * (dev.call_cost("p2p") + lat) + red * w * (es + 4) / bwid
             f, b = f * (1 - dev.ep_overlap), b * (1 - dev.ep_overlap)
         if lay.cp > 1:
-            if m.layer_kind(i) == "kda":
+            if kind == "kda":
+                # kcp/halo.py: the short convolutions' halo (all-gather forward, reduce-scatter backward);
+                # kcp/kda_cp.py: the (M, S~) pairs all-gathered forward, their gradients all-gathered backward
                 pairs = lay.cp * B * m.kda_num_heads * m.kda_head_dim * (2 * m.kda_head_dim) * 4
-                f += ring_time("all_gather", pairs, cp_ranks, dev)
-                b += ring_time("all_gather", pairs, cp_ranks, dev)
+                halo = lay.cp * B * (m.short_conv_kernel_size - 1) * 3 * m.kda_num_heads * m.kda_head_dim * es
+                f += ring_time("all_gather", pairs, cp_ranks, dev) + ring_time("all_gather", halo, cp_ranks, dev)
+                b += ring_time("all_gather", pairs, cp_ranks, dev) + ring_time("reduce_scatter", halo, cp_ranks, dev)
             else:
                 lat_b = B * T * lay.cp * (m.kv_lora_rank + m.qk_rope_head_dim) * es
                 f += ring_time("all_gather", lat_b, cp_ranks, dev)
                 b += ring_time("reduce_scatter", lat_b, cp_ranks, dev)
         fw.append(f)
         bw.append(b)
+    if lay.cp > 1:  # kcp/context.py: the layout exchange of every micro-batch (shapes, document edges)
+        fw[0] += ring_time("all_gather", lay.cp * B * 64, cp_ranks, dev, calls=2)
     return fw, bw
 
 
@@ -299,6 +314,8 @@ def action_costs(cfg: Any, dev: Device, lay: Any, part: Any, plan: Any, layer_ti
         fv = sum(layers[i][0] for i in range(s, e)) + (emb[0] if v == 0 else 0) + (head[0] if v == n - 1 else 0)
         bv = sum(layers[i][1] for i in range(s, e)) + (emb[1] if v == 0 else 0) + (head[1] if v == n - 1 else 0)
         fcv, bcv = sum(cf[s:e]), sum(cb[s:e])
+        if v == n - 1:  # the MTP layer's communication (comm_per_layer's extra entry)
+            fcv, bcv = fcv + sum(cf[len(layers):]), bcv + sum(cb[len(layers):])
         if lay.recompute:
             bv, bcv = bv + fv, bcv + fcv
         f.append(fv)
@@ -314,7 +331,7 @@ def action_costs(cfg: Any, dev: Device, lay: Any, part: Any, plan: Any, layer_ti
             nbytes = plan_bytes(plan, bd, lay.mbs, T, cfg.model.hidden_size, dtype)
             src, dst = (bd % lay.pp) * stride, ((bd + 1) % lay.pp) * stride
             lat, bwid = dev.link(node_of(src, dev) == node_of(dst, dev))
-            msg[bd] = (lat, nbytes / bwid)
+            msg[bd] = (lat + dev.call_cost("p2p"), nbytes / bwid)
     return ActionCosts(f=f, b=b, f_comm=fc, b_comm=bc, msg_s=msg)
 
 
@@ -520,20 +537,24 @@ def predict(cfg: Any, lay: Any, part: Any, programs: list[list[Any]], dev: Devic
             for c, (s, e_) in enumerate(part.local_chunks(r)):
                 share[c] = (e_ - s) / max(1, sum(b - a for a, b in part.local_chunks(r)))
             for c in sorted(sim.chunk_done[r], key=lambda c: sim.chunk_done[r][c]):
-                dur = (ring_time("reduce_scatter", d * es * share[c], dg, dev)
-                       + ring_time("reduce_scatter", e * es * share[c], eg, dev))
+                # optim/zero.py: one bucketed dist.reduce per owner of the group
+                dur = (ring_time("reduce_scatter", d * es * share[c], dg, dev, calls=len(dg))
+                       + ring_time("reduce_scatter", e * es * share[c], eg, dev, calls=len(eg)))
                 t_link = max(t_link, sim.chunk_done[r][c]) + dur
             finish.append(max(sim.end[r], t_link))
         else:
             finish.append(sim.end[r] + ring_time("all_reduce", d * es, dg, dev) + ring_time("all_reduce", e * es, eg, dev))
         # every rank of the host updates at the same time
         opt.append(optimizer_seconds(facts, cfg, dev, part, r, lay, opt_times) / dev.rank_speed(lay.pp * dpcp))
-        bcast.append(0.0 if lay.zero == 0 else
-                     ring_time("all_gather", d * es, dg, dev) + ring_time("all_gather", e * es, eg, dev))
-    # per-step small collectives: loss sums, grad norm (dp_cp + pp), QB histograms per MoE layer, QK-clip max
+        bcast.append(0.0 if lay.zero == 0 else  # one broadcast per owner of the group
+                     ring_time("all_gather", d * es, dg, dev, calls=len(dg))
+                     + ring_time("all_gather", e * es, eg, dev, calls=len(eg)))
+    # per-step small collectives (a traced step at world 2: 5-6 all-reduces): loss-token counts, grad norm, loss
+    # sums, QB histograms (one batched call), QK-clip max, metrics; + the pp-group reductions of the metrics
     lat_all, _ = group_link(range(lay.pp * dpcp), dev)
-    n_moe = sum(1 for i in range(cfg.model.num_hidden_layers) if cfg.model.is_moe_layer(i))
-    fixed = (6 + n_moe / lay.pp) * 2 * max(1, math.ceil(math.log2(max(2, lay.pp * dpcp)))) * lat_all
+    calls = 6 + (3 if lay.pp > 1 else 0)
+    fixed = (calls * (dev.call_cost("all_reduce") + 2 * max(1, math.ceil(math.log2(max(2, lay.pp * dpcp)))) * lat_all)
+             if lay.pp * dpcp > 1 else 0.0)
     # the breakdown is the bottleneck's: the pipeline rank with the most work (its idle time is the bubble)
     crit = max(range(lay.pp), key=lambda r: (sim.busy_compute[r] + sim.busy_comm[r], finish[r]))
     step = max(finish) + max(opt) + max(bcast) + fixed

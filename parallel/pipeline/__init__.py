@@ -6,6 +6,7 @@ Public API:
     LossNorm(lm_tokens, mtp_tokens, mtp_weight)                 per-micro-batch loss scaling (global counts)
     build_partition(model_cfg, parallel_cfg, seq_len) -> PipelinePartition;  describe_partition(part)
     build_schedule(schedule, pp, vpp, M), simulate(...), theoretical_bubble(pp, vpp, M)
+    place_encoder(schedule, pp, vpp, ..., mode)                 vision encoder actions (parallel.encoder_schedule)
     AttnResCommPlan(partition, mode)                            what each stage boundary sends
 """
 from parallel.pipeline.attnres_comm import AttnResCommPlan

@@ -22,13 +22,20 @@ Two orders (``build_programs(..., post_ahead=)``):
   x before the compute that produces y: inherent in 1F1B, whose alternating F/B exchanges both directions
   between the same computes) one receive is posted later, at the latest right before its consumer, so the pair
   sequences stay identical and deadlock-free. :func:`recv_lead` counts how many receives are ahead.
+
+Vision encoder actions (``EF``/``EB``, schedules.py) are local computes of the first rank without messages: the
+programs are built from the F/B schedule alone and each encoder compute is then put right before the next F/B
+compute of its schedule position (after that gap's posts, so the sends already left and the receives are posted
+while the encoder runs) or at the end. They take no part in the send-completion rule (the runner does not wait
+for sends before them), so every rank's p2p behaviour is exactly the F/B program's.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from parallel.pipeline.placement import Placement
-from parallel.pipeline.schedules import Action, Message, SimResult, deps_of, message_route, produces, simulate
+from parallel.pipeline.schedules import (Action, Message, SimResult, deps_of, message_route, produces, simulate,
+                                         strip_encoder)
 
 
 @dataclass(frozen=True)
@@ -50,12 +57,41 @@ def _msg_key(m: Message) -> tuple[int, int, int]:
 def build_programs(sched: list[list[Action]], pp: int, vpp: int, sim: SimResult | None = None,
                    post_ahead: bool = True) -> list[list[Instr]]:
     """Per pipeline rank, the ordered instructions (compute / send / recv) of one step (see module docstring).
-    ``sim``: the schedule's simulation (computed if omitted); ``post_ahead``: receives one compute ahead."""
+    ``sim``: the simulation of the F/B schedule, without encoder actions (computed if omitted); ``post_ahead``:
+    receives one compute ahead. Encoder actions in ``sched`` are inserted by :func:`insert_encoder_computes`."""
     placement = Placement.of(pp, vpp)
-    sim = sim or simulate(sched, pp, vpp)
-    if post_ahead:
-        return _programs_posted_ahead(sched, placement, sim)
-    return _programs_by_time(sched, placement, sim)
+    base = strip_encoder(sched)
+    if sim is not None and [len(x) for x in sim.start] != [len(x) for x in base]:
+        raise ValueError("build_programs: sim must be the simulation of the F/B schedule (no encoder actions)")
+    sim = sim or simulate(base, pp, vpp)
+    progs = (_programs_posted_ahead if post_ahead else _programs_by_time)(base, placement, sim)
+    return insert_encoder_computes(progs, sched) if base != sched else progs
+
+
+def insert_encoder_computes(programs: list[list[Instr]], sched: list[list[Action]]) -> list[list[Instr]]:
+    """``programs`` (built from the F/B part of ``sched``) with ``sched``'s encoder actions as computes: each
+    right before the next F/B compute that follows it in ``sched`` (after the posts in front of that compute),
+    or at the end of the program. Every other instruction keeps its relative order."""
+    out = []
+    for prog, acts in zip(programs, sched):
+        pending: list[Action] = []
+        before: dict[int, list[Action]] = {}  # index of the F/B compute -> encoder actions right before it
+        k = 0
+        for a in acts:
+            if a.is_encoder:
+                pending.append(a)
+            else:
+                before[k], pending, k = pending, [], k + 1
+        new, k = [], 0
+        for ins in prog:
+            if ins.op == "compute":
+                if ins.action.is_encoder:
+                    raise ValueError("insert_encoder_computes: the programs already hold encoder computes")
+                new += [Instr("compute", action=e) for e in before.get(k, [])]
+                k += 1
+            new.append(ins)
+        out.append(new + [Instr("compute", action=e) for e in pending])
+    return out
 
 
 def _programs_by_time(sched: list[list[Action]], pl: Placement, sim: SimResult) -> list[list[Instr]]:
@@ -224,6 +260,8 @@ def run_programs(programs: list[list[Instr]], pp: int, vpp: int, ordered: bool =
                     sent.add(ins.msg)
                     pending[r].append((computed[r], ins.msg))
                     progress_pair(ins.msg)
+                elif ins.action.is_encoder:
+                    pass  # a local compute outside the p2p rules (module docstring)
                 else:
                     pending[r] = [(g, m) for g, m in pending[r] if m not in complete]
                     need = [m for g, m in pending[r] if g <= computed[r] - 1]
@@ -255,7 +293,7 @@ def recv_lead(programs: list[list[Instr]], pp: int, vpp: int) -> tuple[int, int]
         for ins in prog:
             if ins.op == "recv":
                 posted_at[ins.msg] = n
-            elif ins.op == "compute":
+            elif ins.op == "compute" and not ins.action.is_encoder:  # F/B computes only (module docstring)
                 for m in deps_of(ins.action, r, pp, vpp):
                     if n > 0:
                         total += 1

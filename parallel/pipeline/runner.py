@@ -16,8 +16,18 @@ Both have the same interface:
     runner.forward_backward(micro_batches, norm) -> dict   (gradients accumulate into .grad)
     runner.forward_only(micro_batches, norm) -> dict       (evaluation: forward actions only, under no_grad;
                                                             the same loss statistics, no gradients, no hooks)
-    runner.current                      (kind 'F'|'B', virtual stage, micro-batch) of the compute running now
-                                        (for diagnostic hooks, see k3train/nonfinite.py)
+    runner.current                      (kind 'F'|'B'|'EF'|'EB', virtual stage, micro-batch) of the compute
+                                        running now (for diagnostic hooks, see k3train/nonfinite.py)
+
+Vision encoder (a vision model at pp > 1, ``parallel.encoder_schedule``): ``inline`` runs it inside the first
+stage's forward (``embed_batch``) and its backward inside that stage's backward. ``bubbles`` / ``before`` give it
+actions of its own on the first stage's rank (parallel/pipeline/schedules.py: ``place_encoder``, from static
+costs: the partition's stage FLOPs and the micro-batch's media shapes): ``EF(m)`` runs ``encode_batch`` and keeps
+the output, ``F(0, m)`` embeds a detached leaf copy of it (so ``B(0, m)`` stops there), ``EB(m)`` back-propagates
+the leaf's gradient through the encoder. The chunk hook of the chunk holding the encoder fires after its last
+``B`` and the last ``EB``; a forward-only pass runs each ``EF`` before its ``F``. The step stats' ``encoder_s``:
+seconds in encoder actions (0 when inline). The encoder's activations (only its blocks' inputs under
+``parallel.recompute``) live from ``EF(m)`` to ``EB(m)``.
 
 Gradients after ``forward_backward`` are this rank's contributions to the global-batch mean loss (LossNorm);
 the data-parallel reduction is the optimizer's job.
@@ -37,8 +47,9 @@ from parallel.comm_stats import ByteCounter
 from parallel.pipeline.attnres_comm import AttnResCommPlan, BlockCache, StageInput
 from parallel.pipeline.loss_norm import LossNorm
 from parallel.pipeline.p2p import Instr, P2PTransport, build_programs
+from parallel.pipeline.p2p_programs import insert_encoder_computes
 from parallel.pipeline.partition import PipelinePartition, build_partition, describe_partition
-from parallel.pipeline.schedules import (Action, Message, build_schedule, forward_only_schedule,
+from parallel.pipeline.schedules import (Action, Message, build_schedule, forward_only_schedule, place_encoder,
                                          resolve_schedule, simulate, theoretical_bubble)
 from parallel.pipeline.stage import build_stage_model, chunk_param_groups, run_maybe_recomputed, shares_embedding
 
@@ -71,6 +82,8 @@ class StepRunner:
         self.pp_rank = dims.pp_rank if partition.pp > 1 else 0
         self.chunks: list[tuple[int, int]] = partition.local_chunks(self.pp_rank)
         self.make_seq, self.on_chunk_backward_done, self.recompute = make_seq, on_chunk_backward_done, recompute
+        if getattr(model, "vision", None) is not None:  # parallel.recompute: every ViT block checkpointed too
+            model.vision.encoder.recompute_blocks = recompute
         self.counter = ByteCounter()
         self.shared_embedding = shares_embedding(model, partition)
         self.refresh_params()
@@ -105,8 +118,9 @@ class StepRunner:
             self.on_chunk_backward_done(params)
 
     def _new_stats(self) -> dict[str, Any]:
-        # recv_wait_s: seconds blocked waiting for p2p receives (PipelineRunner; 0 without a pipeline)
-        return {k: 0.0 for k in STAT_KEYS} | {"loss": 0.0, "compute_s": 0.0, "recv_wait_s": 0.0}
+        # recv_wait_s: seconds blocked waiting for p2p receives (PipelineRunner; 0 without a pipeline);
+        # encoder_s: seconds in the vision encoder's own actions (PipelineRunner, encoder_schedule != inline)
+        return {k: 0.0 for k in STAT_KEYS} | {"loss": 0.0, "compute_s": 0.0, "recv_wait_s": 0.0, "encoder_s": 0.0}
 
     @staticmethod
     def _add_sums(stats: dict[str, Any], sums: dict[str, torch.Tensor], loss: torch.Tensor) -> None:
@@ -176,11 +190,15 @@ class PipelineRunner(StepRunner):
     """pp > 1: runs this rank's program (schedule + p2p posts), see parallel/pipeline/p2p.py."""
 
     def __init__(self, *args: Any, schedule: str, attnres_comm: str, wire_dtype: torch.dtype,
-                 state_cls: type, post_ahead: bool = True, **kw: Any) -> None:
+                 state_cls: type, post_ahead: bool = True, encoder_schedule: str = "inline", **kw: Any) -> None:
         super().__init__(*args, **kw)
         part, dims = self.partition, self.dims
         self.schedule, self.wire_dtype, self.state_cls = schedule, wire_dtype, state_cls
         self.placement = part.placement
+        # the first stage's rank of a vision model runs the encoder as actions of its own (module docstring)
+        self.encoder_schedule = (encoder_schedule if getattr(self.model, "vision", None) is not None
+                                 and self.pp_rank == self.placement.first_rank else "inline")
+        self._placed: dict[tuple, tuple[list[Action], list[Instr], float]] = {}  # encoder placements (LRU)
         # receives posted one compute ahead of their consumer (p2p_programs.py); False: the time-ordered posts
         self.post_ahead = post_ahead
         self.plan = AttnResCommPlan(part, attnres_comm)
@@ -195,10 +213,52 @@ class PipelineRunner(StepRunner):
         self._forward_only = False  # set per step by begin_step
 
     # ---------------------------------------------------------------------------------------------------------
-    def program(self, num_microbatches: int, forward_only: bool = False) -> tuple[list[Action], list[Instr], float]:
+    def program(self, num_microbatches: int, forward_only: bool = False,
+                micro_batches: list[Any] | None = None) -> tuple[list[Action], list[Instr], float]:
         """``(actions, program, simulated bubble)`` of this rank for ``num_microbatches`` (cached).
         ``forward_only``: the schedule's forward actions in their order (evaluation), see
-        :func:`schedules.forward_only_schedule`."""
+        :func:`schedules.forward_only_schedule`. With encoder actions (module docstring) the first rank's
+        program depends on the ``micro_batches``' media shapes too."""
+        actions, program, bubble = self._fb_program(num_microbatches, forward_only)
+        if self.encoder_schedule == "inline":
+            return actions, program, bubble
+        if micro_batches is None or len(micro_batches) != num_microbatches:
+            raise ValueError("program(): the encoder placement needs the step's micro-batches")
+        f, b, ef, eb = self.encoder_costs(micro_batches)
+        key = (num_microbatches, forward_only, self.post_ahead, tuple(ef), tuple(eb))
+        if key not in self._placed:
+            pp, vpp = self.partition.pp, self.partition.vpp
+            sched = build_schedule(self.schedule, pp, vpp, num_microbatches)
+            if forward_only:
+                sched = forward_only_schedule(sched)
+            placed = place_encoder(sched, pp, vpp, f, b, ef, eb, self.encoder_schedule)[self.pp_rank]
+            if len(self._placed) >= 64:  # media shapes vary from step to step: keep the latest few
+                self._placed.pop(next(iter(self._placed)))
+            self._placed[key] = (placed, insert_encoder_computes([program], [placed])[0], bubble)
+        return self._placed[key]
+
+    def encoder_costs(self, micro_batches: list[Any]) -> tuple[list[float], list[float], list[float], list[float]]:
+        """Static costs the encoder placement uses, in forward-FLOPs of this rank for one micro-batch: per virtual
+        stage (the partition's FLOPs per token x the micro-batch's tokens), and per micro-batch the vision
+        tower's (:func:`k3train.model.flops.vision_flops` of its media; ``/ cp`` when ``batch.vision_cp`` shares
+        the encoding over the CP group). Backward = 2 x forward (3 x under ``parallel.recompute``). Only shapes
+        enter, so the first stage's CP ranks (same media, same slice length) agree on the placement."""
+        from k3train.model.flops import vision_flops
+
+        vcfg, d = self.model.vision_cfg, self.cfg.model.hidden_size
+        k = 3.0 if self.recompute else 2.0
+        tokens = float(micro_batches[0].tokens.numel())
+        f = [c * tokens for c in (self.partition.stage_costs or [1.0] * self.n_stages)]
+        ef = []
+        for batch in micro_batches:
+            media = getattr(batch, "media", None)
+            grids = media.grid_thw.tolist() if media is not None else []
+            share = self.dims.cp if getattr(batch, "vision_cp", None) is not None else 1
+            ef.append(float(sum(vision_flops(g, vcfg, d) for g in grids)) / share)
+        return f, [k * x for x in f], ef, [k * x for x in ef]
+
+    def _fb_program(self, num_microbatches: int, forward_only: bool) -> tuple[list[Action], list[Instr], float]:
+        """The F/B schedule's ``(actions, program, bubble)`` of this rank (cached)."""
         key = (num_microbatches, forward_only, self.post_ahead)
         if key not in self._programs:
             pp, vpp = self.partition.pp, self.partition.vpp
@@ -253,19 +313,28 @@ class PipelineRunner(StepRunner):
         """Reset per-step state; returns this rank's program for ``len(micro_batches)``."""
         self._t_step = time.perf_counter()
         self._forward_only = forward_only
-        actions, program, _ = self.program(len(micro_batches), forward_only)
         self.counter.reset()
         self.p2p.wait_s = 0.0
         self.refresh_params()
         self._batches, self._norm = micro_batches, norm
-        self._seqs = [self.make_seq(b) for b in micro_batches]
+        self._seqs = [self.make_seq(b) for b in micro_batches]  # (may attach batch.vision_cp: before the costs)
+        actions, program, _ = self.program(len(micro_batches), forward_only, micro_batches)
         self._stats = self._new_stats()
-        self._last_b = {a.chunk: i for i, a in enumerate(actions) if a.kind == "B"}
+        # a chunk's gradients are final after its last B; the encoder's (first chunk) also after the last EB
+        last: dict[int, int] = {a.chunk: i for i, a in enumerate(actions) if a.kind == "B"}
+        last_eb = [i for i, a in enumerate(actions) if a.kind == "EB"]
+        if last_eb:
+            c0 = self.placement.chunk_of(0)
+            last[c0] = max(last[c0], last_eb[-1])
+        self._hook_after = {i: c for c, i in last.items()}
         self._idx_of = {a: i for i, a in enumerate(actions)}
+        self._enc_out: dict[int, torch.Tensor] = {}  # EF output, until EB (forward-only: until F)
+        self._enc_leaf: dict[int, torch.Tensor] = {}  # the detached copy F(0, m) embedded, until EB
         self._cache = BlockCache(self.plan, self.pp_rank)
         self._saved: dict[tuple[int, int], tuple[StageInput | None, Any]] = {}
         self._outbox: dict[Message, list[torch.Tensor]] = {}
-        self.action_times: list[tuple[Action, float]] = []  # (action, seconds) of this step, for benchmarks
+        # (action, seconds computing: its receive waits excluded) of this step, in order, for benchmarks
+        self.action_times: list[tuple[Action, float]] = []
         return program
 
     def run_instr(self, ins: Instr) -> None:
@@ -278,28 +347,37 @@ class PipelineRunner(StepRunner):
             self.p2p.send(ins.msg, [t.to(self.wire_dtype) for t in self._outbox.pop(ins.msg)], kinds)
         else:
             a = ins.action
-            # sends get one compute of slack to complete before their buffers are waited for and released
-            self.p2p.complete_sends(self.p2p.generation - 1)
-            self.p2p.generation += 1
-            t0 = time.perf_counter()
+            if not a.is_encoder:  # encoder computes take no part in the p2p rules (p2p_programs.py)
+                # sends get one compute of slack to complete before their buffers are waited for and released
+                self.p2p.complete_sends(self.p2p.generation - 1)
+                self.p2p.generation += 1
+            t0, w0 = time.perf_counter(), self.p2p.wait_s
             self.current = (a.kind, self.placement.stage(self.pp_rank, a.chunk), a.mb)
             if a.kind == "F":
                 self._forward(a)
-            else:
+            elif a.kind == "B":
                 self._backward(a)
+            elif a.kind == "EF":
+                self._encoder_forward(a)
+            else:
+                self._encoder_backward(a)
             dt = time.perf_counter() - t0
             self._stats["compute_s"] += dt
-            self.action_times.append((a, dt))
-            if a.kind == "B" and self._last_b[a.chunk] == self._idx_of[a]:
-                self._hook(list(self.chunk_params[a.chunk]))
+            if a.is_encoder:
+                self._stats["encoder_s"] += dt
+            self.action_times.append((a, dt - (self.p2p.wait_s - w0)))  # without the time blocked on receives
+            chunk = self._hook_after.get(self._idx_of[a])
+            if chunk is not None:
+                self._hook(list(self.chunk_params[chunk]))
 
     def end_step(self, sync_shared: bool = True) -> dict[str, Any]:
         """Wait for outstanding sends, check nothing leaked, sum the shared embedding's gradient copies
         (``sync_shared``), release them to the hook; returns the step's stats."""
         self.p2p.finish()
-        if self._saved or self._outbox:
+        if self._saved or self._outbox or self._enc_out or self._enc_leaf:
             raise RuntimeError(f"pipeline step left state behind: saved {sorted(self._saved)}, "
-                               f"outbox {sorted(self._outbox)}")
+                               f"outbox {sorted(self._outbox)}, encoder outputs {sorted(self._enc_out)}, "
+                               f"encoder leaves {sorted(self._enc_leaf)}")
         self._cache.check_empty()
         if sync_shared:
             self.sync_shared_embedding()
@@ -322,12 +400,21 @@ class PipelineRunner(StepRunner):
         batch, seq = batches[a.mb], seqs[a.mb]
         inp = None if first else cache.build_input(a.chunk, a.mb, self.p2p.wait(Message("act", v - 1, a.mb)))
         model = self.model
+        leaf = None
+        if first and self.encoder_schedule != "inline":  # embed EF(m)'s output through a leaf: B stops there
+            enc = self._enc_out.pop(a.mb) if self._forward_only else self._enc_out[a.mb]
+            leaf = enc.detach().requires_grad_(enc.requires_grad)
+            if not self._forward_only:
+                self._enc_leaf[a.mb] = leaf
 
         def run() -> Any:
-            # the first stage embeds (a vision model: the encoder on batch.media runs here, so its backward
-            # runs inside this stage's backward and its parameters are this chunk's)
-            state = (model.embed_batch(batch) if first
-                     else self.state_cls(blocks=list(inp.blocks), partial=inp.partial))
+            # the first stage embeds (a vision model, inline: the encoder on batch.media runs here, so its backward
+            # runs inside this stage's backward; its parameters are this chunk's in every mode)
+            if first:
+                state = (model.embed(batch.tokens, media_embeds=leaf) if leaf is not None
+                         else model.embed_batch(batch))
+            else:
+                state = self.state_cls(blocks=list(inp.blocks), partial=inp.partial)
             state = model.forward_layers(state, s, e, seq)
             return model.loss_sums(state, batch, seq) if last else state
 
@@ -357,6 +444,20 @@ class PipelineRunner(StepRunner):
             torch.autograd.backward(roots, grads)
         if inp is not None:
             outbox[Message("grad", v - 1, a.mb)] = cache.input_grads(a.chunk, a.mb, inp)
+
+    def _encoder_forward(self, a: Action) -> None:
+        """``EF(m)``: the vision tower on micro-batch ``m``'s media. Under ``parallel.recompute`` every ViT block
+        checkpoints itself (``recompute_blocks``), so only the block inputs live until ``EB(m)``; wrapping the
+        whole tower in a checkpoint as well would run its forward three times."""
+        self._enc_out[a.mb] = self.model.encode_batch(self._batches[a.mb])
+
+    def _encoder_backward(self, a: Action) -> None:
+        """``EB(m)``: the gradient ``B(0, m)`` left on the embedded leaf, back through the encoder (zeros when
+        none reached it, so the encoder's backward -- and any collective in it -- runs for every micro-batch)."""
+        out, leaf = self._enc_out.pop(a.mb), self._enc_leaf.pop(a.mb)
+        if out.requires_grad:
+            grad = leaf.grad if leaf.grad is not None else torch.zeros_like(out)
+            torch.autograd.backward([out], [grad])
 
     def sync_shared_embedding(self, all_reduce: bool = True) -> None:
         """Sum the two copies' gradients of the MTP-shared embedding (first + last stage) over the ``embd`` group
@@ -417,4 +518,5 @@ def build_step_runner(model: nn.Module | Callable[[], nn.Module] | None, cfg: An
         wire_dtype = torch.float32 if cfg.train.dtype == "float32" else torch.bfloat16
     return PipelineRunner(stage_model, cfg, dims, part, schedule=schedule, attnres_comm=pcfg.attnres_comm,
                           wire_dtype=wire_dtype, state_cls=state_cls or _default_state_cls(),
-                          post_ahead=post_ahead, **common)
+                          post_ahead=post_ahead, encoder_schedule=getattr(pcfg, "encoder_schedule", "inline"),
+                          **common)

@@ -52,8 +52,9 @@ def mm_cfg(prefix: Path, gbs: int = 8, mbs: int = 2, seq_len: int = 96, steps: i
 
 
 def check_args(prefix: Path, out: Path, *extra: str) -> list[str]:
-    """``k3train check`` of configs/tiny.yaml on the multimodal dataset ``prefix``."""
+    """``k3train check`` of configs/tiny.yaml (vision enabled: multimodal data needs it) on the multimodal dataset
+    ``prefix``."""
     return ["check", "--config", "configs/tiny.yaml", "--world-size", "1", f"--train.out_dir={out}",
             "--model.vocab_size=4224", f"--model.media_placeholder_token_id={PH}", "--data.format=multimodal",
             f"--data.path={prefix}", f"--data.tokenizer={VL_TOKENIZER}", f"--data.media_placeholder_token={MEDIA_PAD}",
-            "--data.split=100,0,0", *extra]
+            "--data.split=100,0,0", "--vision.enabled=true", *extra]

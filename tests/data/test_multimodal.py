@@ -187,3 +187,63 @@ def test_shipped_corpus_is_deterministic_and_paired():
 def test_prepared_dataset_validates(shipped):
     info = validate_indexed_dataset(shipped, 4099)
     assert info.num_documents == 80
+
+
+def test_vision_bench_scores_the_text_after_media_and_keeps_noise_statistics():
+    """tools/bench_vision_learns.py: the scored labels are the text after a document's first <|media_end|>
+    (no media tokens, specials or masked positions); the noise media keep the shape and each media's
+    per-channel mean and std."""
+    from k3train.model.media import MediaInputs
+    from tools.bench_vision_learns import noise_like, text_after_media_mask
+
+    # doc 0: text, <|media_start|>, 2 placeholders, <|media_end|>, text, text, EOS; doc 1: text with no media
+    b = Batch.from_samples(torch.tensor([[5, 4097, PH, PH, 4098, 6, 7, 1, 8, 9]]), eos_id=1, pad_id=2)
+    mask = text_after_media_mask(b, 4098, PH, {0, 1, 2, PH})
+    assert mask.tolist() == [[0, 0, 0, 0, 1, 1, 0, 0, 0]]  # labels 6, 7 (EOS and doc 1 are not scored)
+    g = torch.Generator().manual_seed(0)
+    px = torch.cat([torch.randn(64, 3, 14, 14, generator=g) * 0.5 + 2, torch.rand(16, 3, 14, 14, generator=g)])
+    media = MediaInputs(px, torch.tensor([[1, 8, 8], [1, 4, 4]]))
+    noisy = noise_like(media, seed=3)
+    assert noisy.pixel_values.shape == px.shape and torch.equal(noisy.grid_thw, media.grid_thw)
+    for sl in (slice(0, 64), slice(64, 80)):
+        a, n = px[sl], noisy.pixel_values[sl]
+        torch.testing.assert_close(n.mean(dim=(0, 2, 3)), a.mean(dim=(0, 2, 3)), atol=0.02, rtol=0)
+        torch.testing.assert_close(n.std(dim=(0, 2, 3)), a.std(dim=(0, 2, 3)), atol=0.02, rtol=0.02)
+        assert (n - a).abs().mean() > 0.1  # not the picture
+
+
+def test_vision_bench_image_dependent_words_follow_the_generator():
+    """tools/bench_vision_learns.py: the "image-dependent" tokens are exactly a clip caption's colour, shape and
+    direction and a drawing's palette fills and background (checked against the program's own AST), found in the
+    re-tokenized document; a document that is not its sample's tokens is refused."""
+    import ast
+
+    from k3train.data.multimodal.shipped import COLORS
+    from tools.bench_vision_learns import document_image_tags, image_dependent_spans, sample_kind
+
+    tok = vl_tok()
+    seen = set()
+    for key, seq, _ in build_samples(3, n_ocr=2, n_code=6, n_video=3):
+        kind, text = sample_kind(key), seq[-1]
+        seen.add(kind)
+        words = [text[a:b] for a, b in image_dependent_spans(kind, text)]
+        if kind == "video":
+            colour, shape, _, direction = text.split()[1:5]
+            assert words == [colour, shape, direction] and colour in COLORS
+        elif kind == "code":
+            calls = [n for n in ast.walk(ast.parse(text.split("```python\n")[1].split("```")[0]))
+                     if isinstance(n, ast.Call)]
+            expect = [c.args[2].value for c in calls if getattr(c.func, "attr", "") == "new"]
+            expect += [k.value.value for c in calls for k in c.keywords if k.arg == "fill" and k.value.value in COLORS]
+            assert sorted(words) == sorted(expect) and len(expect) >= 2
+        else:
+            assert kind == "ocr" and words == []
+        if kind != "ocr":  # one media: [text], <|media_start|>, 2 placeholders, <|media_end|>, text, EOS
+            head = [t for el in seq[:-1] if isinstance(el, str) for t in tok.encode(el)]
+            doc = np.asarray(head + [4097, PH, PH, 4098] + tok.encode(text) + [tok.eos_id])
+            at = len(head)
+            tags = document_image_tags(tok, kind, seq, doc, [(at, at + 4)])
+            assert tok.decode(doc[tags].tolist()).replace(" ", "") == "".join(words)
+            with pytest.raises(RuntimeError):
+                document_image_tags(tok, kind, seq, doc[:-2], [(at, at + 4)])
+    assert seen == {"ocr", "code", "video"}

@@ -8,8 +8,14 @@ What the global batches hold (checked first, so the comparison covers it): step 
 images of different sizes and micro-batches without any media (the encoder still runs, on zero patches, on every
 rank); under cp = 2 its second image lies in the second half of the row, so rank 1 must place the embeddings from
 offset 24 on; step 2 has a 4-frame clip whose placeholder span the cp boundary cuts. Under pp the encoder runs
-inside the first virtual stage's forward (and its backward inside that stage's backward); under cp each rank
-encodes all media and scatters only its slice's embeddings, and the dp_cp gradient reduction sums the slices.
+as actions of its own in the pipeline's bubbles (``parallel.encoder_schedule``, the default), before / after the
+pipeline (with Pipeline ZeRO-2, whose chunk hook must wait for the last encoder backward) or inline, inside the
+first virtual stage's forward and backward; under cp = 2 with
+``vision.cp_split_min_patches=90`` the media of >= 90 patches (a 96- and a 192-patch image, the 144-patch clip) are
+split over the 2 CP ranks by pairs of patch rows (attention all-gathers their k / v), the others are encoded whole
+by one rank, and the embeddings are all-gathered (kcp/vision_cp.py); the resume at cp = 2 (default threshold
+4096) encodes every media whole on one rank. Each rank scatters only its slice's embeddings, and the dp_cp
+gradient reduction sums the ranks' encoder gradients.
 
 Tolerances (as tests/integration/test_pipeline_zero_parity.py, which explains them): gradients 3e-6 (step 1) /
 1e-4 (step 2) of each tensor's max |value| + rtol 1e-5; loss and grad norm rel 1e-5; parameters 1e-5 + rtol 1e-5,
@@ -34,11 +40,14 @@ from trainer_parity import ROOT, assert_close_all, max_diffs, owned_grads, snaps
 WORLD, STEPS, SEQ_LEN, GBS, MBS = 2, 2, 128, 4, 1
 PH = 4096  # <|media_pad|>
 SCALE_TOL = {0: 3e-6, 1: 1e-4}
+SPLIT_MIN = 90  # cp2_zero1: media of >= 90 patches split over the 2 CP ranks (kcp/vision_cp.py), the rest whole
 RTOL, ATOL, ADAMW_ATOL = 1e-5, 1e-5, 1e-3
 LAYOUTS = [  # (name, --parallel.* overrides); the 2 ranks run them one after another
-    ("pp2_vpp2", ["--parallel.pp=2", "--parallel.vpp=2"]),
+    ("pp2_vpp2", ["--parallel.pp=2", "--parallel.vpp=2"]),  # the encoder in the pipeline's bubbles (default)
+    ("pp2_zero2_before", ["--parallel.pp=2", "--parallel.zero=2", "--parallel.encoder_schedule=before"]),
+    ("pp2_inline", ["--parallel.pp=2", "--parallel.encoder_schedule=inline"]),
     ("dp2_zero2", ["--parallel.zero=2"]),
-    ("cp2_zero1", ["--parallel.cp=2", "--parallel.zero=1"]),
+    ("cp2_zero1", ["--parallel.cp=2", "--parallel.zero=1", f"--vision.cp_split_min_patches={SPLIT_MIN}"]),
 ]
 
 
@@ -83,6 +92,11 @@ def _check_coverage(cfg) -> None:
     half = SEQ_LEN // 2
     cut = [mb for mb in step2 if bool((mb.tokens[:, half - 1] == PH).any() & (mb.tokens[:, half] == PH).any())]
     assert cut and any(mb.media.grid_thw[:, 0].max() > 1 for mb in cut), "step 2: no clip span cut by cp = 2"
+    from kcp.vision_cp import plan_vision_split
+
+    plans = [plan_vision_split(mb.media.grid_thw.tolist(), 2, SPLIT_MIN) for mb in step1 + step2]
+    assert any(any(p.split) and not all(p.split) for p in plans), "no micro-batch with a split and a whole media"
+    assert any(p.split[i] and p.grids[i][0] > 1 for p in plans for i in range(len(p.grids))), "no split clip"
     for mb in step1 + step2:  # the slices' placeholders take exactly the micro-batch's embeddings
         a, b = mb.slice_cp(0, 2), mb.slice_cp(1, 2)
         assert torch.equal(b.media_offsets, a.media_offsets + (a.tokens == PH).sum(1))
@@ -128,22 +142,30 @@ def _gather_check(mine: dict, ref: dict, rank: int, name: str, step: int, report
 def _body(rank: int, world: int, prefix: str, ref_path: str, out: str) -> None:
     from k3train.trainer import Trainer
 
+    from kcp.vision_cp import VisionCPContext
+
     refs, out, report = torch.load(ref_path), Path(out), []
+    exchanges = []  # the cp layout's encoder really splits media: its attention exchanges k / v (kcp/vision_cp.py)
+    kv = VisionCPContext.exchange_kv
+    VisionCPContext.exchange_kv = lambda self, k, v: (exchanges.append(name), kv(self, k, v))[1]
     for name, layout in LAYOUTS:
         tr = Trainer(vl_cfg(prefix, out / name, WORLD, layout))
         vision = [i for i in tr.optimizer.infos if i.fqn.startswith("vision.")]
-        assert bool(vision) == (name != "pp2_vpp2" or tr.dims.pp_rank == 0), f"{name}: the encoder's stage"
+        assert bool(vision) == (not name.startswith("pp") or tr.dims.pp_rank == 0), f"{name}: the encoder's stage"
         for i in vision:  # Per-Head Muon on the encoder's q/k/v projections, over dp_cp like the other dense params
             assert i.group == "dp_cp", (i.fqn, i.group)
             if i.fqn.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
                 assert (i.kind, i.layout) == ("muon", "per_head"), (i.fqn, i.kind, i.layout)
         for s in range(STEPS):
             rec = tr.train_step()
+            if name.startswith("pp") and tr.dims.pp_rank == 0:  # the encoder ran as its own actions (or inline)
+                assert (tr.pm.runner.last_stats["encoder_s"] > 0) == (not name.endswith("inline")), name
             _gather_check(_compare(tr, rec, refs[s], rank, s, name), refs[s], rank, name, s, report)
             if name == "dp2_zero2" and s == 0:
                 tr.save_checkpoint()
         tr.ckpt.wait()
         tr.metrics.close()
+        assert (name in exchanges) == name.startswith("cp"), (name, len(exchanges))
     # resume with images: the dp = 2 run's step-1 checkpoint, continued at cp = 2
     tr = Trainer(vl_cfg(prefix, out / "dp2_zero2", WORLD, ["--parallel.cp=2"], resume="auto"))
     assert tr.step == 1, tr.step

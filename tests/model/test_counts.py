@@ -26,6 +26,9 @@ def test_k3_counts_match_published():
         + 64 * 64 * 1024 == 401_213_440
     assert b["projector"]["total"] == 4096 * 4096 + 4096 * 7168 + 7168  # PatchMergerMLPV2 + RMSNorm(7168)
     assert [im["tokens"] for im in res["vision_per_image"]] == [256, 4096, 16384]  # seed 000's table
+    for im in res["vision_per_image"]:  # forward + backward per part, from flops.vision_flops_detail
+        assert im["flops"]["total"]["forward"] == im["forward_flops"] > im["encoder_forward_flops"]
+        assert im["flops"]["total"]["backward"] > im["forward_flops"]
 
 
 def test_count_tool_json(capsys):

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from k3train.config import ConfigError, VisionConfig, load_config
 from k3train.model import K3Model
-from k3train.model.flops import vision_flops
+from k3train.model.flops import vision_flops, vision_flops_detail
 from k3train.model.media import MediaInputs, merged_tokens
 from k3train.model.vit import MediaLayout, activation, apply_rope, rope_2d
 from k3train.model.vit_tower import VisionTower
@@ -247,9 +247,52 @@ def test_vision_flops_matches_modules():
     hd, L = v.num_attention_heads * v.head_dim, v.num_hidden_layers
     for t, h, w in [(1, 4, 6), (3, 4, 4)]:
         n, hw, merged = t * h * w, h * w, h * w // 4
-        assert vision_flops((t, h, w), v, D_MODEL) == 2 * n * enc + L * 4 * hd * n * n + 2 * merged * proj
-        assert vision_flops((t, h, w), v, D_MODEL, projector=False) == 2 * n * enc + L * 4 * hd * n * n
-        fact = 2 * n * enc + L * 4 * hd * t * hw * hw + 2 * merged * proj
+        mean = n * v.hidden_size if t > 1 else 0  # sd2_tpool's mean over a clip's frames
+        assert vision_flops((t, h, w), v, D_MODEL) == 2 * n * enc + L * 4 * hd * n * n + mean + 2 * merged * proj
+        assert vision_flops((t, h, w), v, D_MODEL, projector=False) == 2 * n * enc + L * 4 * hd * n * n + mean
+        fact = 2 * n * enc + L * 4 * hd * t * hw * hw + mean + 2 * merged * proj
         if t > 1:
             fact += 2 * n * attn + L * 4 * hd * hw * t * t  # the temporal pass (same weights, once more)
         assert vision_flops((t, h, w), _vcfg(attention="factorised"), D_MODEL) == fact
+
+
+def test_vision_flops_detail_hand_count():
+    """One image of 4 x 6 patches through the tiny tower (L=2, D=32, 2 x 16 heads, MLP 64, projector 48 -> 40),
+    counted by hand; backward = 2 x forward for every matmul, 1 x for the patch embedding (no pixel gradient)."""
+    det = vision_flops_detail((1, 4, 6), _vcfg(), D_MODEL)
+    n = 24
+    hand = {"patch_embed": 2 * n * (3 * 14 * 14) * 32,          # 903,168
+            "attn_proj": 2 * 2 * n * 4 * 32 * 32,               # 393,216  (q, k, v, o: 32 -> 32 each)
+            "attn_scores": 2 * 4 * 32 * n * n,                  # 147,456  (q k^T and P v over 24^2 pairs)
+            "mlp": 2 * 2 * n * 2 * 32 * 64,                     # 393,216
+            "merge": 0,                                         # an image: no mean over frames
+            "projector": 2 * 6 * (4 * 32 * 48 + 48 * D_MODEL)}  # 96,768   (6 merged tokens)
+    assert {k: det[k]["forward"] for k in hand} == hand
+    assert det["total"]["forward"] == 1_933_824 == vision_flops((1, 4, 6), _vcfg(), D_MODEL)
+    assert det["total"]["backward"] == 2 * 1_933_824 - 903_168
+    clip = vision_flops_detail((2, 4, 4), _vcfg(), D_MODEL)  # joint: all (2*16)^2 pairs; the mean over frames
+    assert clip["attn_scores"]["forward"] == 2 * 4 * 32 * 32 * 32 and clip["merge"]["forward"] == 32 * 32
+
+
+@pytest.mark.parametrize("attention", ["joint", "factorised"])
+def test_block_recompute_matches_no_recompute(attention):
+    """``recompute_blocks`` (parallel.recompute: each block checkpointed) gives the same output and every
+    parameter and pixel gradient (float64, to rounding) as the plain forward; under no_grad it is not used."""
+    runs = []
+    for rc in (False, True):
+        tower, media = _tower(attention=attention), _media(GRIDS)
+        tower.encoder.recompute_blocks = rc
+        media.pixel_values.requires_grad_()
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            out = tower(media)
+        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+        (out * w).sum().backward()
+        runs.append((out.detach(), _grads(tower), media.pixel_values.grad.clone(), sum(saved)))
+    (o0, g0, p0, s0), (o1, g1, p1, s1) = runs
+    assert s1 < s0  # the blocks kept only their inputs
+    torch.testing.assert_close(o1, o0, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(p1, p0, rtol=1e-12, atol=1e-12)
+    assert g1.keys() == g0.keys()
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-12, atol=1e-12, msg=n)

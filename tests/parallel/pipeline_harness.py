@@ -52,7 +52,7 @@ def make_batches(cfg: Config, n: int, seed: int = 0) -> list[Batch]:
 
 
 def full_model(cfg: Config, seed: int = SEED) -> K3Model:
-    m = K3Model(cfg.model)
+    m = K3Model(cfg.model, cfg.vision)
     m.init_weights(seed)
     return m
 
@@ -106,20 +106,30 @@ class InProcessTransport:
 
 
 def in_process_pipeline(cfg: Config, batches: list[Batch], seed: int = SEED, norm: LossNorm | None = None,
-                        hook: Callable[[int, list], None] | None = None) -> tuple[list[Any], list[dict]]:
+                        hook: Callable[[int, list], None] | None = None,
+                        forward_only: bool = False) -> tuple[list[Any], list[dict]]:
     """Build all ``pp`` runners in this process and run one step cooperatively. Returns (runners, stats).
-    ``hook(pp_rank, params)`` is installed as every runner's ``on_chunk_backward_done``."""
+    ``hook(pp_rank, params)`` is installed as every runner's ``on_chunk_backward_done``; ``forward_only``: the
+    evaluation pass (``PipelineRunner.forward_only``'s program, under no_grad)."""
+    if forward_only:
+        with torch.no_grad():
+            return _in_process(cfg, batches, seed, norm, hook, True)
+    return _in_process(cfg, batches, seed, norm, hook, False)
+
+
+def _in_process(cfg: Config, batches: list[Batch], seed: int, norm: LossNorm | None,
+                hook: Callable[[int, list], None] | None, forward_only: bool) -> tuple[list[Any], list[dict]]:
     pp = cfg.parallel.pp
     norm = norm or LossNorm.from_batches(batches, cfg.model.mtp_loss_weight)
     mailbox: dict[Message, list[torch.Tensor]] = {}
     runners = []
     for r in range(pp):
         dims = ParallelDims(pp=pp, dp=1, cp=1, world_size=pp, rank=r)  # no process groups: in-process
-        run = build_step_runner(lambda: K3Model(cfg.model), cfg, dims, seed=seed,
+        run = build_step_runner(lambda: K3Model(cfg.model, cfg.vision), cfg, dims, seed=seed,
                                 on_chunk_backward_done=None if hook is None else (lambda ps, r=r: hook(r, ps)))
         run.p2p = InProcessTransport(mailbox, run.counter)
         runners.append(run)
-    programs = [run.begin_step(batches, norm) for run in runners]
+    programs = [run.begin_step(batches, norm, forward_only) for run in runners]
     pos = [0] * pp
     vpp = cfg.parallel.vpp
     while any(pos[r] < len(programs[r]) for r in range(pp)):
@@ -134,7 +144,7 @@ def in_process_pipeline(cfg: Config, batches: list[Batch], seed: int = SEED, nor
                 progressed = True
         assert progressed, f"in-process pipeline stuck at {pos}"
     stats = [run.end_step(sync_shared=False) for run in runners]
-    if runners[0].shared_params:  # the embd all-reduce, done by hand
+    if runners[0].shared_params and not forward_only:  # the embd all-reduce, done by hand
         first, last = runners[0].shared_params[0], runners[-1].shared_params[0]
         total = first.grad + last.grad
         first.grad, last.grad = total.clone(), total.clone()

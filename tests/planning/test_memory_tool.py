@@ -72,3 +72,46 @@ def test_k3_estimate_allocates_nothing():
     assert {r["pp_rank"] for r in out["ranks"]} == set(range(8)) and len(out["ranks"]) == 512
     worst = max(r["peak"] for r in out["ranks"])
     assert worst > 100 * 2**30  # hundreds of GiB per rank were "held" -- none of it allocated
+
+
+VL = str(ROOT / "configs" / "tiny-vl.yaml")
+
+
+def test_estimate_within_10_percent_of_measured_vision():
+    """tiny-vl, the encoder on the first of two pipeline stages, traced on the data's own media (--media data:
+    what the measured steps run). About 25 s on 2 idle cores."""
+    p = _run(["--config", VL, "--world-size", "2", "--parallel.pp=2", "--train.global_batch_size=4", "--media",
+              "data", "--measure", "--steps", "3", "--json"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout)
+    assert "vision encoder on the data's own media" in out["layout"]
+    for r in out["ranks"]:
+        err = (r["peak"] - r["measured_peak"]) / r["measured_peak"]
+        assert abs(err) <= 0.10, (r, err)
+
+
+def test_vision_first_stage_traces_the_encoder():
+    """The worst case (every position a placeholder of the largest image that fits a row) against the same
+    config with vision off: the tower's parameters and optimizer state, its saved activations (8-32 fp32
+    vectors of the encoder width per patch and block) and the step's pixels. In-process, synthetic rows."""
+    import torch
+
+    from k3train.config import load_config
+    from k3train.model.vit_tower import VisionTower
+    from k3train.planning.memory import estimate, worst_case_grids
+
+    base = ["--train.seq_len=64", "--train.global_batch_size=2", "--data.path=/nonexistent"]  # M = 1
+    vl = load_config(VL, base, world_size=1)
+    txt = load_config(VL, base + ["--vision.enabled=false", "--data.format=text"], world_size=1)
+    assert worst_case_grids(vl, 64) == [(1, 16, 16)]  # one 224 x 224 px image (64 tokens) fills a row
+    a, b = estimate(vl, 1), estimate(txt, 1)
+    ra, rb = a.ranks[0], b.ranks[0]
+    with torch.device("meta"):
+        tower = 4 * sum(p.numel() for p in VisionTower(vl.vision, vl.model.hidden_size).parameters())
+    assert ra.params - rb.params == tower and ra.optimizer > rb.optimizer
+    P, L, D = 2 * 256, vl.vision.num_hidden_layers, vl.vision.hidden_size  # patches of the micro-batch
+    act = a.stages[0]["chunks"][0]["saved"] - b.stages[0]["chunks"][0]["saved"]
+    assert 8 * P * L * D * 4 <= act <= 32 * P * L * D * 4, act / (P * L * D * 4)
+    assert ra.detail["media_pixels"] == ra.buffers == P * 3 * 14 * 14 * 4 and rb.buffers == 0
+    assert ra.peak - rb.peak >= tower + act
+    assert "vision encoder on every position of each 64-token row a placeholder of 224x224 px images" in a.layout

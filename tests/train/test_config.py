@@ -208,3 +208,17 @@ def test_resolved_config_round_trips(tmp_path):
     again = load_config(tmp_path / "resolved.yaml")
     assert again.to_dict() == cfg.to_dict()
     assert again.model.kda_layers == cfg.model.kda_layers
+
+
+def test_multimodal_data_needs_the_vision_tower():
+    """data.format=multimodal with vision off, or with a placeholder id outside the vocabulary: one ConfigError
+    naming the fields (the tokenizer lacking the placeholder is preflight's DataError: tests/data)."""
+    vl = ROOT / "configs" / "tiny-vl.yaml"
+    assert load_config(vl).vision.enabled
+    with pytest.raises(ConfigError, match=r"^data\.format: multimodal data needs vision\.enabled=true.*"
+                                          r"--vision\.enabled=false"):
+        load_config(vl, ["--vision.enabled=false"])
+    with pytest.raises(ConfigError, match=r"^model\.media_placeholder_token_id: .*\[0, vocab_size=4224\), got 4224"):
+        load_config(vl, ["--model.media_placeholder_token_id=4224"])
+    with pytest.raises(ConfigError, match=r"^data\.format: multimodal data needs data\.media_placeholder_token"):
+        load_config(vl, ["--model.media_placeholder_token_id=-1"])
