@@ -11,6 +11,7 @@ checkpoints can be moved between k3train and HF-format tools.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 import types
@@ -20,6 +21,14 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+
+@functools.lru_cache(maxsize=None)
+def _count_fields(cls: type) -> tuple[str, ...]:
+    """Field names of a config section that are sizes or counts by name (``validate``: must be >= 0)."""
+    return tuple(f.name for f in dataclasses.fields(cls)
+                 if f.name.endswith(("_size", "_layers", "_heads", "_dim", "steps", "interval"))
+                 and f.name not in ("first_k_dense_replace",))
 
 
 class ConfigError(ValueError):
@@ -320,12 +329,10 @@ class Config:
 
         for sec_name in SECTIONS:
             sec = getattr(self, sec_name)
-            for f in dataclasses.fields(sec):
-                v = getattr(sec, f.name)
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and f.name.endswith(
-                    ("_size", "_layers", "_heads", "_dim", "steps", "interval")
-                ) and f.name not in ("first_k_dense_replace",):
-                    need(v >= 0, f"{sec_name}.{f.name}", f"must be >= 0, got {v}")
+            for name in _count_fields(type(sec)):
+                v = getattr(sec, name)
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    need(v >= 0, f"{sec_name}.{name}", f"must be >= 0, got {v}")
 
         # model
         need(m.num_hidden_layers >= 1, "model.num_hidden_layers", "must be >= 1")
@@ -363,7 +370,8 @@ class Config:
         need(m.vocab_size > max(0, 1), "model.vocab_size", "must be > 1")
         m.full_attn_layers = [i for i in range(1, m.num_hidden_layers + 1)
                               if i % m.full_attn_interval == 0 or i == m.num_hidden_layers]
-        m.kda_layers = [i for i in range(1, m.num_hidden_layers + 1) if i not in set(m.full_attn_layers)]
+        full_set = set(m.full_attn_layers)
+        m.kda_layers = [i for i in range(1, m.num_hidden_layers + 1) if i not in full_set]
         m.num_attn_res_blocks = math.ceil(m.num_hidden_layers / m.attn_res_block_size)
         # model sizes: every size a layer that exists will use must be positive (a 0 builds empty tensors and
         # fails deep in a forward, or divides by zero); sizes of layer kinds the plan has none of may be 0

@@ -191,8 +191,11 @@ class Trainer:
         norm = LossNorm.from_batches(micro_batches, mtp_w, group=self.dims.group("dp_cp"), device=self._comm_device)
         self.nonfinite.begin_step(self.step + 1)
         self.optimizer.zero_grad()
+        t_fb = time.perf_counter()
         stats = self.pm.forward_backward(micro_batches, norm)
+        t_gn = time.perf_counter()
         grad_norm = self.optimizer.clip_grad_norm_()  # global (all ranks), so the decision below is too
+        t_gn_end = time.perf_counter()
         # every rank computes its share; the sum over ranks is the global quantity (loss sums live on last stages)
         sums = self._all_reduce_sum([stats.get("lm_loss_sum", 0.0), stats.get("mtp_loss_sum", 0.0),
                                      stats.get("p2p_bytes", 0.0), stats.get("p2p_bytes_hidden", 0.0),
@@ -201,7 +204,9 @@ class Trainer:
         report = None
         if step_is_finite(grad_norm, sums[:2]):
             moe_worst, moe_totals = self.pm.sync_router_balance()  # QB biases move only on an applied step
+            t_opt = time.perf_counter()
             ostats = self.optimizer.step(lr)
+            t_opt = time.perf_counter() - t_opt
         else:  # skip: name the first non-finite module (a diagnostic re-run on every rank), change nothing
             def rerun() -> None:
                 self.optimizer.zero_grad()
@@ -212,6 +217,7 @@ class Trainer:
             self.pm.discard_step_statistics()
             moe_worst, moe_totals = {}, {}
             ostats = self.optimizer.skip_step()
+            t_opt = 0.0
         self.step += 1
         self.nonfinite.after_step(self.step, report is not None, f"loss {sums[0] / max(1, norm.lm_tokens):.4g} / "
                                   f"grad norm {grad_norm:.4g}", report)
@@ -229,6 +235,10 @@ class Trainer:
             "step_time_s": dt,
             "mfu": self.pm.flops_per_token * tps / (self.peak_flops * self.env.world_size),
             "mem_gib": memory_gib(self.env.device),
+            # this rank's phases (waits for other ranks included): what the planner's breakdown is checked against
+            "time_forward_backward_s": t_gn - t_fb,
+            "time_grad_norm_s": t_gn_end - t_gn,
+            "time_optimizer_s": t_opt,
         }
         if norm.mtp_tokens:
             rec["mtp_loss"] = sums[1] / norm.mtp_tokens

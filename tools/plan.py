@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --measure: steps per run (the first two excluded; the first only, below 5 steps)")
     ap.add_argument("--ep-skew", type=float, default=1.5, help="plain EP: busiest rank's routed load / mean")
     ap.add_argument("--exhaustive", action="store_true", help="simulate and trace every layout")
-    ap.add_argument("--trace-budget-s", type=float, default=150.0, help="seconds of memory traces at most")
+    ap.add_argument("--trace-budget-s", type=float, default=100.0, help="seconds of memory traces at most")
     ap.add_argument("--sim-budget-s", type=float, default=60.0, help="seconds of schedule simulation at most")
     ap.add_argument("--reference", default="", help="a layout to place in the ranking, as overrides "
                                                     "'--parallel.pp=16 --parallel.vpp=2 ...'")
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"k3train: error: {e}", file=sys.stderr)
             return 2
         raise
-    from k3train.planning.plan import (distinct_top, format_table, measure_step_time, plot, slowest_fitting,
+    from k3train.planning.plan import (distinct_top, format_table, measure_step, plot, slowest_fitting,
                                        spearman)
 
     ranked = res.ranked()
@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             ref_row.pred = _predict_one(planner, ref_row, res)
         if ref_row is not None and ref_row.peak_bytes is None and ref_row.fits is not False:
             planner.trace(ref_row)
+        ranked = res.ranked()  # a fitting reference competes like any traced layout
     chosen = ranked[0] if ranked else None
     if args.measure:
         bottom = slowest_fitting(planner, res, args.bottom, _predict_one)
@@ -129,8 +130,11 @@ def main(argv: list[str] | None = None) -> int:
         picks = top + [r for r in bottom if r not in top]
         for r in picks:
             log(f"measuring {r.layout.short()} ({args.steps} steps) ...")
-            r.measured_step_s = measure_step_time(args.config, overrides + r.layout.overrides(), args.world_size,
-                                                  args.steps, dev.threads)
+            r.measured = measure_step(args.config, overrides + r.layout.overrides(), args.world_size, args.steps,
+                                      dev.threads)
+            r.measured_step_s = r.measured["step_time_s"]
+        ranked = res.ranked()  # the picks traced layouts the budget had left out: they compete too
+        chosen = ranked[0] if ranked else None
     if args.plot:
         plot(res, args.plot, chosen, ref_row)
     if args.json:
@@ -168,10 +172,15 @@ def main(argv: list[str] | None = None) -> int:
         done = [r for r in res.rows if r.measured_step_s is not None]
         errs = sorted(abs(r.pred.step_s - r.measured_step_s) / r.measured_step_s for r in done)
         out = sys.stderr if args.json else sys.stdout
-        print(f"{'layout':<40} {'predicted s':>11} {'measured s':>11} {'err':>7}", file=out)
+        print(f"{'layout':<40} {'predicted s':>11} {'measured s':>11} {'err':>7}   optimizer s: predicted / "
+              f"measured (rank 0; its fwd+bwd, grad norm)", file=out)
         for r in sorted(done, key=lambda r: r.pred.step_s):
             e = (r.pred.step_s - r.measured_step_s) / r.measured_step_s
-            print(f"{r.layout.short():<40} {r.pred.step_s:11.4f} {r.measured_step_s:11.4f} {100 * e:+6.1f}%", file=out)
+            m = r.measured
+            ph = (f"   {r.pred.optimizer:.3f} / {m.get('time_optimizer_s', float('nan')):.3f} "
+                  f"({m.get('time_forward_backward_s', float('nan')):.3f}, {m.get('time_grad_norm_s', float('nan')):.3f})")
+            print(f"{r.layout.short():<40} {r.pred.step_s:11.4f} {r.measured_step_s:11.4f} {100 * e:+6.1f}%{ph}",
+                  file=out)
         rho = spearman([r.pred.step_s for r in done], [r.measured_step_s for r in done])
         print(f"median |error| {100 * errs[len(errs) // 2]:.1f}%, worst {100 * errs[-1]:.1f}%, Spearman {rho:.3f} "
               f"over {len(done)} layouts", file=out)

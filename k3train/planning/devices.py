@@ -298,8 +298,9 @@ def _run_workers(ctx: Any, target: Any, arg_lists: list[tuple], what: str) -> No
 
 
 def bench_concurrency(max_procs: int, threads: int, target: Any = None, args: tuple = ()) -> dict[str, float]:
-    """``{n: speed}`` for ``n = 1..max_procs``: the median per-process speed, relative to one process alone, of
-    ``n`` processes running the same workload at once (made monotone: more ranks never run faster). The workload:
+    """``{n: speed}`` for ``n = 1..max_procs``: the slowest process's speed (a synchronous step waits for it),
+    relative to one process alone, of ``n`` processes running the same workload at once (made monotone: more ranks
+    never run faster). The workload:
     ``target(idx, threads, barrier, out, *args)`` (warm up, ``barrier.wait()``, then ``out[idx] = seconds``);
     default: a small-op mix (:func:`_busy_worker`)."""
     ctx = _forkserver()
@@ -308,8 +309,7 @@ def bench_concurrency(max_procs: int, threads: int, target: Any = None, args: tu
         barrier, out = ctx.Barrier(n), ctx.Array("d", n)
         _run_workers(ctx, target or _busy_worker, [(i, threads, barrier, out, *args) for i in range(n)],
                      f"cpu concurrency calibration ({n} processes)")
-        ts = sorted(out[:])
-        times[n] = ts[len(ts) // 2]
+        times[n] = max(out[:])
     curve, best = {}, 1.0
     for n in range(1, max_procs + 1):
         best = min(best, times[1] / times[n])

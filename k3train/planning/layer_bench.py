@@ -198,7 +198,9 @@ def bench_optimizer(cfg: Any, infos: list[Any], threads: int) -> dict[str, float
 def _model_busy_worker(idx: int, threads: int, barrier: Any, out: Any, cfg: Any, B: int, T: int) -> None:
     """A :func:`devices.bench_concurrency` workload: the config's whole forward + backward of one ``[B, T]``
     micro-batch (the op mix and working set of a real step, which a small-op loop does not reproduce: two
-    processes on two cores slowed each other by ~25% on the tiny config where the small-op loop showed none)."""
+    processes on two cores slowed each other by ~25% on the tiny config where the small-op loop showed none), in
+    lock-step: each of the timed steps ends at a barrier, so the group's time is its slowest rank's, as in training
+    (a median of free-running processes missed the 1.4-1.5x a real 2-rank step showed against 1.22x)."""
     from k3train.planning.memory import trace_batch
 
     torch.set_num_threads(threads)
@@ -213,8 +215,9 @@ def _model_busy_worker(idx: int, threads: int, barrier: Any, out: Any, cfg: Any,
     step()
     barrier.wait()
     t0 = time.perf_counter()
-    for _ in range(3):
+    for _ in range(3):  # in lock-step, as training steps are (the gradient reductions wait for the slowest rank)
         step()
+        barrier.wait()
     out[idx] = time.perf_counter() - t0
 
 
@@ -255,7 +258,7 @@ class LayerTimes:
         """This config's :func:`bench_model_concurrency` curve for 1..``procs`` ranks at its own micro-batch
         shape (cached)."""
         B, T = cfg.train.micro_batch_size, cfg.train.seq_len
-        k = _key(cfg, f"B={B}", f"T={T}")
+        k = _key(cfg, f"B={B}", f"T={T}", "lockstep")
         slot = self.data.setdefault(self.host, {}).setdefault("concurrency", {})
         if len(slot.get(k, {})) < procs:
             self.log(f"calibrating concurrency on this config's step: 1..{procs} processes at once ...")

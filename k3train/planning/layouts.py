@@ -192,7 +192,8 @@ def layout_config(core: Config, lay: Layout) -> Config:
     import dataclasses
 
     cfg = copy.copy(core)
-    cfg.parallel = dataclasses.replace(core.parallel, zero=lay.zero, moonep=lay.moonep, recompute=lay.recompute)
+    cfg.parallel = copy.copy(core.parallel)  # dataclasses.replace re-runs __init__: seconds at K3 scale
+    cfg.parallel.zero, cfg.parallel.moonep, cfg.parallel.recompute = lay.zero, lay.moonep, lay.recompute
     return cfg
 
 
@@ -241,8 +242,14 @@ def enumerate_layouts(config: str, overrides: list[str], world_size: int) -> tup
                             for zero in ok_zero:
                                 for moonep in (vals["moonep"] if ep > 1 else [False]):
                                     for rc in vals["recompute"]:
-                                        lay = Layout(**{**asdict(c0), "zero": zero, "moonep": moonep,
-                                                        "recompute": rc})
+                                        lay = Layout(c0.pp, c0.vpp, c0.dp, c0.cp, c0.ep, moonep, zero, c0.mbs, rc,
+                                                     c0.schedule)
                                         if lay not in seen:
                                             seen[lay] = layout_config(core, lay)
-    return sorted(seen.items(), key=lambda x: x[0]), checked
+    # the dataclass order (field tuples), as a key: a million rich comparisons of dataclasses cost seconds
+    return sorted(seen.items(), key=lambda x: astuple_fast(x[0])), checked
+
+
+def astuple_fast(lay: Layout) -> tuple:
+    """``dataclasses.astuple(lay)`` without its recursive deep copy (Layout holds scalars only)."""
+    return (lay.pp, lay.vpp, lay.dp, lay.cp, lay.ep, lay.moonep, lay.zero, lay.mbs, lay.recompute, lay.schedule)

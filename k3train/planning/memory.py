@@ -13,8 +13,8 @@ booked by :class:`~k3train.planning.live_bytes.LiveBytes`; nothing the size of t
   on its real micro-batches (the ones with the fewest and the most padded KDA chunks of steps 2-3; every other
   micro-batch interpolated by its chunk count), else on one document per row. Under CP, per CP rank, with the
   real KCP context (halo, pair gather and fold, MLA latent prefix) whose collectives are simulated locally
-  (:mod:`k3train.planning.sim_collectives`: same shapes and in-place writes, no peers). Long sequences (tokens x
-  layers over ``TRACE_BUDGET``: K3) trace each distinct layer alone at 1K/2K/4K tokens, fit a + bT + cT^2
+  (:mod:`k3train.planning.sim_collectives`: same shapes and in-place writes, no peers). Long sequences (the CP group's
+  tokens x layers over ``TRACE_BUDGET``, :func:`whole_traces`: K3) trace each distinct layer alone at 1K/2K/4K tokens, fit a + bT + cT^2
   exactly and compose the chunk (:func:`trace_chunk`; under CP at ranks 0 and 1, extended affinely in the rank);
 * a vision model's first stage: ``embed_batch`` -- the MoonViT-V2 encoder + projector on the micro-batch's media
   and the placeholder scatter, inside the chunk's forward and backward as the runner runs it -- on the media
@@ -453,6 +453,13 @@ def trace_range(cfg: Config, model: nn.Module, s: int, e: int, first: bool, last
 # quadratic term times cp (MLA-CP: keys from every segment up to the last rank's), and the layers of a chunk are
 # composed in order (forward peak: earlier layers' saved bytes + this layer's transient; backward in reverse).
 TRACE_BUDGET = 8192 * 16  # tokens x layers traced whole (tiny and small: whole chunks)
+
+
+def whole_traces(cfg: Config, B: int, T: int) -> bool:
+    """Trace whole chunks (every CP rank's) rather than compose per-layer fits: while the CP group's tokens of a
+    micro-batch (``B x T x cp``) times the depth stay within ``TRACE_BUDGET`` -- a whole trace is taken once per
+    CP rank, so at K3 width a large cp with short rows per rank would cost minutes per layout."""
+    return B * T * cfg.parallel.cp * cfg.model.num_hidden_layers <= TRACE_BUDGET
 COMPOSE_TOKENS = (1024, 2048, 4096)
 
 
@@ -503,7 +510,7 @@ def trace_chunk(cfg: Config, model: nn.Module, part: Any, plan: Any, v: int, chu
     recompute = cfg.parallel.recompute
     hi = None
     C = cfg.parallel.cp
-    if B * T * cfg.model.num_hidden_layers <= TRACE_BUDGET:
+    if whole_traces(cfg, B, T):
         saved, f_peak, b_peak = trace_range(cfg, model, s, e, first, last, batch, fake, recompute, cp_rank, rows[0],
                                             media)
         if batch_hi is not None:
@@ -516,8 +523,12 @@ def trace_chunk(cfg: Config, model: nn.Module, part: Any, plan: Any, v: int, chu
             reps[layer_signature(cfg, i)] = i
 
         def piece(key: tuple, a: int, b: int, fst: bool, lst: bool) -> tuple[int, int, int]:
-            # the fits depend on the rows, the CP size, the model; the encoder's on the media and block recompute
-            ck = key + (B, C, id(model)) + ((media, cfg.parallel.recompute) if key == ("embed",) else ())
+            # the fits depend on the rows, the CP size, the dtype; the encoder's on the media and block recompute.
+            # Not on ep, up to the per-expert bookkeeping (tens of bytes per local expert and layer): every N*k
+            # route row is computed on the rank's shard (``_ShardDispatcher``) and expert weight gradients
+            # accumulate into the pre-set ``.grad`` (counted from the parameters), so one trace serves every ep
+            # (tests/planning/test_memory_compose.py)
+            ck = key + (B, C, cfg.train.dtype) + ((media, cfg.parallel.recompute) if key == ("embed",) else ())
             if ck not in cache:
                 fits = []
                 for r in ((0, 1) if C > 1 else (0,)):
@@ -768,7 +779,7 @@ def estimate(cfg: Config, world_size: int, cache: Any = None, media: MediaCase |
             else:
                 cp_batches = {cr: (trace_batch(cfg, B, T, cr)[0], None, None, None) for cr in range(C)}
                 batch_src = trace_batch(cfg, 1, 1)[1]
-            if B * T * cfg.model.num_hidden_layers > TRACE_BUDGET:
+            if not whole_traces(cfg, B, T):
                 batch_src = (f"per-layer traces at {'/'.join(str(t) for t in COMPOSE_TOKENS)} tokens, fitted "
                              f"and composed for {B * T} tokens (one document per row)")
         traces_cp: dict[int, dict[int, ChunkTrace]] = {}
@@ -788,11 +799,19 @@ def estimate(cfg: Config, world_size: int, cache: Any = None, media: MediaCase |
         b_extra = {c: (3 * replica if moe_per_chunk[c] else 0) for c in traces}
         p2p_bufs = 0  # receive/send buffers are walked with the program (in activations)
         program = programs[pp_rank]
-        msg_bytes = functools.partial(_msg_bytes, plan, B * T * cfg.model.hidden_size * es)
+        per_stage_bytes: dict[int, int] = {}  # payload bytes by boundary: one plan lookup per boundary
+
+        def msg_bytes(msg: Any, _tb: int = B * T * cfg.model.hidden_size * es) -> int:
+            if msg.stage not in per_stage_bytes:
+                per_stage_bytes[msg.stage] = _msg_bytes(plan, _tb, msg)
+            return per_stage_bytes[msg.stage]
+
         cached_grad = {c: (plan.known_blocks(part.stage(pp_rank, c)) * B * T * cfg.model.hidden_size * es
                            if plan is not None else 0) for c in traces}
         by_id = {id(inf.param): inf for inf in infos}
         owned_cache: dict[int, tuple] = {}
+        walk_cache: dict[tuple, tuple] = {}  # the walk depends on the owned set only through ZeRO-2's grad shards
+        grad_full = {ci: _nbytes(g) for ci, g in enumerate(groups)}
         view_cache: dict[Any, Any] = {}
         ns_cache: dict[tuple, int] = cache.ns if cache is not None else {}
         for d in range(D):
@@ -805,9 +824,8 @@ def estimate(cfg: Config, world_size: int, cache: Any = None, media: MediaCase |
                 traces = traces_cp[c]
                 key = hash((frozenset(owned), str(step_segs), c))
                 if key not in owned_cache:
-                    grad_full = {ci: _nbytes(g) for ci, g in enumerate(groups)}
-                    grad_owned = {ci: _nbytes([p for p in g if by_id[id(p)].index in owned])
-                                  for ci, g in enumerate(groups)}
+                    grad_owned = ({ci: _nbytes([p for p in g if by_id[id(p)].index in owned])
+                                   for ci, g in enumerate(groups)} if pc.zero == 2 else grad_full)
                     opt = 0
                     for inf in infos:
                         if inf.index in owned:
@@ -816,9 +834,12 @@ def estimate(cfg: Config, world_size: int, cache: Any = None, media: MediaCase |
                             if inf.param.dtype != torch.float32:
                                 opt += n * 4
                     ns_t = optimizer_transient(cfg, infos, owned, fake, ns_cache)
-                    peak_dyn, act, g_at, where = max(
-                        walk_schedule(program, traces, grad_full, grad_owned, pc.zero, per_mb_extra, b_extra,
-                                      msg_bytes, cached_grad, segs) for segs in step_segs)
+                    wkey = (c, str(step_segs), tuple(grad_owned.values()) if pc.zero == 2 else None)
+                    if wkey not in walk_cache:
+                        walk_cache[wkey] = max(
+                            walk_schedule(program, traces, grad_full, grad_owned, pc.zero, per_mb_extra, b_extra,
+                                          msg_bytes, cached_grad, segs) for segs in step_segs)
+                    peak_dyn, act, g_at, where = walk_cache[wkey]
                     g_end = sum(grad_owned.values()) if pc.zero == 2 else sum(grad_full.values())
                     step_peak = g_end + ns_t + _bucket_transient(infos, owned, pc.zero)
                     owned_cache[key] = (opt, peak_dyn, act, g_at, where, step_peak, g_end)

@@ -15,7 +15,9 @@ Order of work (cheapest first, every skip exact):
    optimizer transients) -- ``fits`` = worst rank's peak <= device memory. A layout traced too big sends its
    recompute twin to the front of the queue and marks too big without a trace every layout of its family that
    holds at least as much per rank (lower ZeRO, larger micro-batch, smaller cp or ep:
-   ``skipped: 'needs more memory than a layout traced too big'``).
+   ``skipped: 'needs more memory than a layout traced too big'``), and the search descends from it depth first
+   (recompute twin, half the micro-batch, twice the ep, one ZeRO stage more, twice the cp) to the memory limit;
+   a layout that fits sends its other vpp / schedule variants (same dims, same memory knobs) to the front.
 
 ``--exhaustive`` simulates and traces every layout (small spaces; the tests use it).
 """
@@ -69,6 +71,7 @@ class Row:
     fits: bool | None = None
     skipped: str = ""
     measured_step_s: float | None = None
+    measured: dict[str, float] = field(default_factory=dict)  # measure_step's phases
 
     def tokens_per_s(self, cfg: Any) -> float | None:
         if self.pred is None:
@@ -83,7 +86,7 @@ class Row:
                 "predicted_tokens_per_s_per_device": (self.tokens_per_s(cfg) or 0) / world if self.pred else None,
                 "mfu": mfu(self, cfg, world, peak_flops) if self.pred else None,
                 "breakdown": self.pred.breakdown() if self.pred else None, "skipped": self.skipped or None,
-                "measured_step_s": self.measured_step_s}
+                "measured_step_s": self.measured_step_s, "measured_phases": self.measured or None}
 
 
 @dataclass
@@ -150,11 +153,17 @@ class Planner:
         opt_times = self.lt.optimizer(base, facts.infos) if self.lt is not None else None
         rows = [Row(layout=lay, cfg=cfg) for lay, cfg in pairs]
         notes: list[str] = []
+        t1 = time.perf_counter()
         # 2. static memory bound
+        bound_memo: dict[tuple, int] = {}  # the bound reads the partition, dp*cp, ep, zero, moonep only
         for r in rows:
             part = val.partition(r.cfg)
-            r.mem_bound = static_memory_lower_bound(facts, r.cfg, part, r.layout.pp, r.layout.dp * r.layout.cp,
-                                                    r.layout.ep, r.layout.zero, r.layout.moonep)
+            L = r.layout
+            kb = (id(part), L.pp, L.dp * L.cp, L.ep, L.zero, L.moonep)
+            if kb not in bound_memo:
+                bound_memo[kb] = static_memory_lower_bound(facts, r.cfg, part, L.pp, L.dp * L.cp, L.ep, L.zero,
+                                                           L.moonep)
+            r.mem_bound = bound_memo[kb]
             if r.mem_bound > self.dev.hbm_bytes:
                 r.fits, r.skipped = False, "bound"
         n_bound = sum(r.skipped == "bound" for r in rows)
@@ -162,13 +171,12 @@ class Planner:
             notes.append(f"{n_bound} layouts exceed {self.dev.hbm_bytes / 2**30:.1f} GiB on weights + gradients + "
                          f"optimizer state alone: dropped without a trace")
         live = [r for r in rows if not r.skipped]
-        t1 = time.perf_counter()
         for r in live:
             r.lower_bound_s = compute_lower_bound(r.cfg, r.layout, val.partition(r.cfg), self.dev, facts, self.lt,
                                                   self.skew, opt_times)
         live.sort(key=lambda r: (r.lower_bound_s, r.layout))
         t_lb = time.perf_counter() - t1
-        self.log(f"bounds: {n_bound} over the memory bound; step-time lower bounds of {len(live)} in {t_lb:.1f} s")
+        self.log(f"bounds: {n_bound} over the memory bound; step-time lower bounds of {len(live)}; {t_lb:.1f} s")
         # 3 + 4: branch and bound over predicted time, tracing memory of the contenders
         fitting: list[float] = []
         fits_norc: set[Layout] = set()
@@ -176,8 +184,10 @@ class Planner:
         n_traced = 0
         by_layout = {r.layout: r for r in live}
         families: dict[tuple, list[Row]] = {}
+        siblings: dict[tuple, list[Row]] = {}  # same dims and memory knobs, another vpp / schedule
         for r in live:
             families.setdefault(_family(r.layout), []).append(r)
+            siblings.setdefault(_sibling_key(r.layout), []).append(r)
         seen: set[Layout] = set()
         urgent: deque[Row] = deque()  # recompute twins of layouts found too big: examined next
 
@@ -224,6 +234,8 @@ class Planner:
                 fitting.append(r.pred.step_s)
                 if not lay.recompute:
                     fits_norc.add(lay)
+                if not self.exhaustive:  # its other vpp / schedules are likely to fit too: examined next
+                    urgent.extendleft(reversed([t for t in siblings[_sibling_key(lay)] if t.layout not in seen]))
             elif not self.exhaustive:
                 self._too_big_follow_ups(r, by_layout, seen, urgent, families)
         if self.lt is not None:
@@ -233,8 +245,9 @@ class Planner:
                       f"{self.top}th fitting layout's prediction",
             "dominated": "recompute layouts skipped: their twin without recompute fits and is faster",
             "needs more memory than a layout traced too big":
-                "layouts not traced: a layout of the same pp / vpp / schedule / recompute / MoonEP with a ZeRO stage, "
-                "cp and ep no lower and a micro-batch no larger (so no more memory per rank) was traced too big",
+                "layouts not traced: a layout of the same pp / vpp / schedule / MoonEP, recompute no less, a ZeRO "
+                "stage, cp and ep no lower and a micro-batch no larger (so no more memory per rank) was traced "
+                "too big",
             "trace budget": f"layouts predicted but not traced: memory trace budget ({self.trace_budget_s:.0f} s) "
                             "spent",
             "simulation budget": "layouts with the largest step-time lower bounds not simulated: simulation "
@@ -245,7 +258,7 @@ class Planner:
             if n:
                 notes.append(f"{n} {text}")
         secs = {"enumerate": t_enum, "bounds": t_lb, "simulate": t_sim, "memory": t_mem,
-                "total": time.perf_counter() - t0}
+                "total": time.perf_counter() - t0 + (self.enum_s if self._pairs is not None else 0.0)}
         notes.append(f"memory traced for {n_traced} layouts in {t_mem:.1f} s; {len(rows)} layouts, "
                      f"{sum(r.pred is not None for r in rows)} simulated in {t_sim:.1f} s")
         return PlanResult(rows=rows, world=self.world, device=self.dev, base_cfg=base, candidates=checked,
@@ -254,29 +267,41 @@ class Planner:
     @staticmethod
     def _too_big_follow_ups(r: Row, by_layout: dict[Layout, Row], seen: set[Layout], urgent: deque,
                             families: dict[tuple, list[Row]] | None = None) -> None:
-        """After ``r`` was traced too big: every layout of its family (same pp, vpp, schedule, recompute, MoonEP)
-        that holds at least as much per rank is too big without a trace -- a ZeRO stage no higher (shards less),
+        """After ``r`` was traced too big: every layout of its family (same pp, vpp, schedule, recompute, MoonEP;
+        for a recompute layout also the family without it) that holds at least as much per rank is too big
+        without a trace -- a ZeRO stage no higher (shards less),
         a micro-batch no smaller (more activations), cp no larger (longer sequence per rank; pp fixed, so dp is
         larger, which shards nothing ZeRO does not), ep no larger (more experts and their gradients, optimizer
-        state and replica pool per rank) -- and its recompute twin (the layout that keeps the same parallelism
-        within memory, slower by about one extra forward) is examined next instead of when its step-time bound
-        comes up (at K3 scale no layout without recompute fits, and the budget would go to more of them)."""
+        state and replica pool per rank) -- and its neighbours with less memory per rank (recompute twin first)
+        are examined next, depth first, instead of when their step-time bounds come up (at K3 scale the
+        fastest-bounded layouts hold 2-15x the device memory, and the budget would go to more of them)."""
         from dataclasses import replace
 
         lay = r.layout
         fam = (families or {}).get(_family(lay))
         if fam is None:  # no family index: the ZeRO twins only
             fam = [t for t in (by_layout.get(replace(lay, zero=z)) for z in range(lay.zero)) if t is not None]
+        elif lay.recompute:  # keeping every activation holds more than recomputing them
+            fam = fam + (families or {}).get(_family(replace(lay, recompute=False)), [])
         for twin in fam:
             t = twin.layout
             if (t not in seen and t.zero <= lay.zero and t.mbs >= lay.mbs and t.cp <= lay.cp and t.ep <= lay.ep
                     and t != lay):
                 seen.add(t)
                 twin.fits, twin.skipped = False, "needs more memory than a layout traced too big"
-        if not lay.recompute:
-            rc = by_layout.get(replace(lay, recompute=True))
-            if rc is not None and rc.layout not in seen:
-                urgent.append(rc)
+        # examined next, depth first (each holds less per rank than ``lay``): the recompute twin, then half the
+        # micro-batch, twice the ep, one ZeRO stage more, twice the cp (half the dp) -- a descent to the memory
+        # limit instead of the step-time order's walk through ever more layouts of the same too-big kind
+        steps = [replace(lay, recompute=True)] if not lay.recompute else []
+        if lay.mbs % 2 == 0:
+            steps.append(replace(lay, mbs=lay.mbs // 2))
+        steps.append(replace(lay, ep=lay.ep * 2))
+        if lay.zero < 2:
+            steps.append(replace(lay, zero=lay.zero + 1))
+        if lay.dp % 2 == 0:
+            steps.append(replace(lay, cp=lay.cp * 2, dp=lay.dp // 2))
+        nxt = [by_layout[t] for t in steps if t in by_layout and t not in seen]
+        urgent.extendleft(reversed(nxt))
 
     def trace(self, r: Row) -> None:
         from k3train.planning.memory import estimate
@@ -292,6 +317,11 @@ class Planner:
 def _family(lay: Layout) -> tuple:
     """Layouts whose per-rank memory orders by (zero, micro-batch, cp, ep) alone (``_too_big_follow_ups``)."""
     return (lay.pp, lay.vpp, lay.schedule, lay.recompute, lay.moonep)
+
+
+def _sibling_key(lay: Layout) -> tuple:
+    """Layouts that differ only in vpp and schedule (``Planner.run``: examined after one of them fits)."""
+    return (lay.pp, lay.dp, lay.cp, lay.ep, lay.moonep, lay.zero, lay.mbs, lay.recompute)
 
 
 def _core(r: Row) -> tuple:
@@ -393,11 +423,21 @@ def plot(res: PlanResult, path: str, chosen: Row | None, mark: Row | None = None
 # --------------------------------------------------------------------------------------------------------------
 # measurement
 # --------------------------------------------------------------------------------------------------------------
+PHASES = ("step_time_s", "time_forward_backward_s", "time_grad_norm_s", "time_optimizer_s")
+
+
 def measure_step_time(config: str, overrides: list[str], world: int, steps: int = 4, threads: int = 1,
                       timeout: float = 1800) -> float:
-    """Median ``step_time_s`` (metrics.jsonl) of steps 3..``steps`` (2..``steps`` for fewer than 5 steps) of a real
-    torchrun training run (``threads`` intra-op threads per rank: the calibration's). The first two steps are
-    warm-up: the first allocates optimizer state, and the second was still 5-10% slower in runs here."""
+    """Median ``step_time_s`` of a real run (:func:`measure_step`)."""
+    return measure_step(config, overrides, world, steps, threads, timeout)["step_time_s"]
+
+
+def measure_step(config: str, overrides: list[str], world: int, steps: int = 4, threads: int = 1,
+                 timeout: float = 1800) -> dict[str, float]:
+    """Medians of ``PHASES`` (metrics.jsonl: the step, and rank 0's forward+backward, gradient norm and optimizer
+    step) over steps 3..``steps`` (2..``steps`` for fewer than 5 steps) of a real torchrun training run
+    (``threads`` intra-op threads per rank: the calibration's). The first two steps are warm-up: the first
+    allocates optimizer state, and the second was still 5-10% slower in runs here."""
     import json
     import os
     import subprocess
@@ -419,10 +459,14 @@ def measure_step_time(config: str, overrides: list[str], world: int, steps: int 
             raise RuntimeError(f"measure run failed (exit {p.returncode}): {' '.join(cmd)}\n{p.stderr[-3000:]}")
         recs = [json.loads(x) for x in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
     skip = 2 if steps >= 5 else 1
-    ts = sorted(r["step_time_s"] for r in recs if r["step"] > skip)
-    if not ts:
+    kept = [r for r in recs if r["step"] > skip]
+    if not kept:
         raise RuntimeError("measure run logged no step after the first")
-    return ts[len(ts) // 2]
+    out = {}
+    for k in PHASES:
+        ts = sorted(r.get(k, float("nan")) for r in kept)
+        out[k] = ts[len(ts) // 2]
+    return out
 
 
 def spearman(a: list[float], b: list[float]) -> float:

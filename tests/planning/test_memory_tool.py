@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -27,18 +29,101 @@ def _run(args: list[str], timeout: float = 900, **kw) -> subprocess.CompletedPro
     return subprocess.run(TOOL + args, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout, **kw)
 
 
+def _limit_memory() -> None:
+    # 6 GiB of address space: torch's own mappings fit; one K3 MoE layer's experts (tens of GB) would not
+    resource.setrlimit(resource.RLIMIT_AS, (6 * 2**30, 6 * 2**30))
+
+
 SHORT = ["--train.seq_len=64", "--train.global_batch_size=4"]  # the tiny config on 4 x 64 tokens per step
+LAYOUTS = {
+    "pp2_vpp2_uneven": ["--parallel.pp=2", "--parallel.vpp=2", "--parallel.pp_layers=[3,1,2,2]"],
+    "dp2_ep2_zero2_moonep": ["--parallel.dp=2", "--parallel.ep=2", "--parallel.zero=2", "--parallel.moonep=true"],
+    "cp2_recompute": ["--parallel.cp=2", "--parallel.recompute=true"],  # the real KCP context, collectives simulated
+}
+VL = str(ROOT / "configs" / "tiny-vl.yaml")
+# every slow tool run of this file (its arguments; PREEXEC: what runs in the child first), longest first: the order
+# they are started in
+RUNS = {
+    "cp2_recompute": ["--config", "configs/tiny.yaml", "--world-size", "2", *LAYOUTS["cp2_recompute"], *SHORT,
+                      "--measure", "--steps", "3", "--json"],
+    "dp2_ep2_zero2_moonep": ["--config", "configs/tiny.yaml", "--world-size", "2", *LAYOUTS["dp2_ep2_zero2_moonep"],
+                             *SHORT, "--measure", "--steps", "3", "--json"],
+    "pp2_vpp2_uneven": ["--config", "configs/tiny.yaml", "--world-size", "2", *LAYOUTS["pp2_vpp2_uneven"], *SHORT,
+                        "--measure", "--steps", "3", "--json"],
+    "k3": ["--config", "configs/k3.yaml", "--world-size", "512", "--parallel.pp=8", "--parallel.dp=64",
+           "--parallel.ep=64", "--parallel.zero=1", "--train.seq_len=16384", "--train.global_batch_size=64", "--json"],
+    "vision": ["--config", VL, "--world-size", "2", "--parallel.pp=2", "--train.global_batch_size=4", "--media",
+               "data", "--measure", "--steps", "3", "--json"],
+}
+PREEXEC = {"k3": _limit_memory}
+TEST_RUNS = {"test_estimate_within_10_percent_of_measured": None,  # None: the parametrized layout's name
+             "test_k3_estimate_allocates_nothing": "k3", "test_estimate_within_10_percent_of_measured_vision": "vision"}
 
 
-@pytest.mark.parametrize("world,layout", [
-    (2, ["--parallel.pp=2", "--parallel.vpp=2", "--parallel.pp_layers=[3,1,2,2]"]),   # uneven interleaved
-    (2, ["--parallel.dp=2", "--parallel.ep=2", "--parallel.zero=2", "--parallel.moonep=true"]),
-    (2, ["--parallel.cp=2", "--parallel.recompute=true"]),  # the real KCP context, collectives simulated
-])
-def test_estimate_within_10_percent_of_measured(world, layout):
-    # about 30 s per layout on 2 idle cores (estimate, then 3 real steps under torchrun)
-    p = _run(["--config", "configs/tiny.yaml", "--world-size", str(world), *layout, *SHORT, "--measure",
-              "--steps", "3", "--json"])
+class _ToolRuns:
+    """The tool runs of the selected tests, two at a time in the background (each is one process on one core for
+    its estimate, the longer part; what they compute -- byte counts of traced and of live tensors -- does not
+    depend on timing or load, so running them side by side on the CI's 2 cores changes no result, only the wall
+    time). Started in ``RUNS`` order; ``result(key)`` waits for one, starting queued runs as slots free up."""
+
+    def __init__(self, keys: list[str], tmp: Path, slots: int = 2) -> None:
+        self.pending, self.tmp, self.slots = [k for k in RUNS if k in keys], tmp, slots
+        self.running: dict[str, tuple[subprocess.Popen, float]] = {}
+        self.done: dict[str, subprocess.CompletedProcess] = {}
+
+    def _start(self) -> None:
+        while self.pending and len(self.running) < self.slots:
+            k = self.pending.pop(0)
+            so, se = open(self.tmp / f"{k}.out", "w"), open(self.tmp / f"{k}.err", "w")  # noqa: SIM115
+            with so, se:
+                p = subprocess.Popen(TOOL + RUNS[k], cwd=ROOT, env=_env(), stdout=so, stderr=se, text=True,
+                                     preexec_fn=PREEXEC.get(k), start_new_session=True)
+            self.running[k] = (p, time.monotonic())
+
+    def _reap(self) -> None:
+        for k, (p, t0) in list(self.running.items()):
+            if p.poll() is None:
+                assert time.monotonic() - t0 < 900, f"tools/memory.py {k} ran past 900 s"
+                continue
+            del self.running[k]
+            self.done[k] = subprocess.CompletedProcess(p.args, p.returncode, (self.tmp / f"{k}.out").read_text(),
+                                                       (self.tmp / f"{k}.err").read_text())
+
+    def result(self, key: str) -> subprocess.CompletedProcess:
+        if key not in self.done and key not in self.running and key in self.pending:
+            self.pending.remove(key)
+            self.pending.insert(0, key)
+        self._start()
+        while key not in self.done:
+            assert key in self.running or key in self.pending, key
+            time.sleep(0.1)
+            self._reap()
+            self._start()
+        return self.done[key]
+
+    def close(self) -> None:
+        """Runs still going when the module ends (a test failed or was deselected): stop them and their torchrun."""
+        for p, _ in self.running.values():
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+@pytest.fixture(scope="module")
+def tool_runs(request, tmp_path_factory):
+    keys = []
+    for item in request.session.items:
+        if getattr(item, "module", None) is request.module and getattr(item, "originalname", None) in TEST_RUNS:
+            keys.append(TEST_RUNS[item.originalname] or item.callspec.params["name"])
+    runs = _ToolRuns(keys, tmp_path_factory.mktemp("memory_tool"))
+    yield runs
+    runs.close()
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))  # uneven interleaved pp; dp x ep with ZeRO-2 and MoonEP; cp
+def test_estimate_within_10_percent_of_measured(name, tool_runs):
+    # estimate, then 3 real steps under torchrun (about 30 s per layout on 2 idle cores, run two at a time)
+    world = 2
+    p = tool_runs.result(name)
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout)
     assert len(out["ranks"]) == world
@@ -56,17 +141,10 @@ def test_bad_input_is_one_line_exit_2():
     assert p.stderr.strip().startswith("k3train: error:") and len(p.stderr.strip().splitlines()) == 1
 
 
-def _limit_memory() -> None:
-    # 6 GiB of address space: torch's own mappings fit; one K3 MoE layer's experts (tens of GB) would not
-    resource.setrlimit(resource.RLIMIT_AS, (6 * 2**30, 6 * 2**30))
-
-
-def test_k3_estimate_allocates_nothing():
+def test_k3_estimate_allocates_nothing(tool_runs):
     """Full-width K3 (2.78T parameters; per-layer traces composed for 16K tokens per micro-batch) completes
     under a 6 GiB address-space limit, every pipeline stage listed."""
-    p = _run(["--config", "configs/k3.yaml", "--world-size", "512", "--parallel.pp=8", "--parallel.dp=64",
-              "--parallel.ep=64", "--parallel.zero=1", "--train.seq_len=16384", "--train.global_batch_size=64",
-              "--json"], preexec_fn=_limit_memory)
+    p = tool_runs.result("k3")  # RUNS["k3"], under _limit_memory
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout)
     assert {r["pp_rank"] for r in out["ranks"]} == set(range(8)) and len(out["ranks"]) == 512
@@ -74,14 +152,10 @@ def test_k3_estimate_allocates_nothing():
     assert worst > 100 * 2**30  # hundreds of GiB per rank were "held" -- none of it allocated
 
 
-VL = str(ROOT / "configs" / "tiny-vl.yaml")
-
-
-def test_estimate_within_10_percent_of_measured_vision():
+def test_estimate_within_10_percent_of_measured_vision(tool_runs):
     """tiny-vl, the encoder on the first of two pipeline stages, traced on the data's own media (--media data:
     what the measured steps run). About 25 s on 2 idle cores."""
-    p = _run(["--config", VL, "--world-size", "2", "--parallel.pp=2", "--train.global_batch_size=4", "--media",
-              "data", "--measure", "--steps", "3", "--json"])
+    p = tool_runs.result("vision")  # RUNS["vision"]
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout)
     assert "vision encoder on the data's own media" in out["layout"]

@@ -146,3 +146,40 @@ def test_bad_input_is_one_line_exit_2(args):
     assert p.returncode == 2, p.stderr[-2000:]
     err = p.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("k3train: error:"), p.stderr
+
+
+def test_too_big_marks_what_holds_more_and_descends_depth_first():
+    """``Planner._too_big_follow_ups`` (no trace): after a layout is traced too big, every layout of its family
+    holding at least as much per rank is marked too big -- with recompute also the family that keeps its
+    activations -- and its neighbours with less memory are queued first, recompute twin first."""
+    from collections import deque
+    from dataclasses import replace
+
+    from k3train.planning.layouts import Layout
+    from k3train.planning.plan import Planner, Row, _family
+
+    base = Layout(pp=2, vpp=1, dp=4, cp=1, ep=2, moonep=False, zero=1, mbs=2, recompute=False, schedule="1f1b")
+    lays = {base, replace(base, zero=0), replace(base, zero=2), replace(base, mbs=4), replace(base, mbs=1),
+            replace(base, ep=1), replace(base, ep=4), replace(base, cp=2, dp=2), replace(base, recompute=True),
+            replace(base, recompute=True, zero=0), replace(base, recompute=True, mbs=1)}
+    rows = {lay: Row(layout=lay) for lay in lays}
+    families: dict = {}
+    for r in rows.values():
+        families.setdefault(_family(r.layout), []).append(r)
+
+    def follow(lay):  # noqa: ANN001, ANN202
+        seen, urgent = {lay}, deque()
+        for r in rows.values():
+            r.fits, r.skipped = None, ""
+        Planner._too_big_follow_ups(rows[lay], rows, seen, urgent, families)
+        marked = {r.layout for r in rows.values() if r.skipped.startswith("needs more memory")}
+        return marked, [r.layout for r in urgent]
+
+    marked, urgent = follow(base)
+    assert marked == {replace(base, zero=0), replace(base, mbs=4), replace(base, ep=1)}
+    assert urgent == [replace(base, recompute=True), replace(base, mbs=1), replace(base, ep=4),
+                      replace(base, zero=2), replace(base, cp=2, dp=2)]
+    rc = replace(base, recompute=True)
+    marked, urgent = follow(rc)  # keeping every activation holds more than recomputing: the same without rc
+    assert marked == {replace(rc, zero=0), base, replace(base, zero=0), replace(base, mbs=4), replace(base, ep=1)}
+    assert urgent[0] == replace(rc, mbs=1)

@@ -31,11 +31,14 @@ from train_helpers import FAST, ROOT, TORCHRUN, read_metrics
 STEPS = 6
 LAYOUT = ["--parallel.pp=2", "--checkpoint.interval=2", "--checkpoint.resume=auto", "--checkpoint.keep=5"]
 TIMEOUT_S = 20  # parallel.collective_timeout_s of these runs
+# the stuck-rank run's: it waits out the whole timeout, so a shorter one saves that wait; 8 s still leaves that run's
+# normal waits (start-up, the step-2 save, one rank's 7 layers vs the other's 1) far inside it on 2 loaded cores
+STUCK_TIMEOUT_S = 8
 
 
-def _args(prefix: Path, out: Path) -> list[str]:
+def _args(prefix: Path, out: Path, timeout_s: int = TIMEOUT_S) -> list[str]:
     return ["--config", "configs/tiny.yaml", f"--data.path={prefix}", f"--train.out_dir={out}",
-            f"--train.steps={STEPS}", *FAST, *LAYOUT, f"--parallel.collective_timeout_s={TIMEOUT_S}"]
+            f"--train.steps={STEPS}", *FAST, *LAYOUT, f"--parallel.collective_timeout_s={timeout_s}"]
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -155,33 +158,35 @@ def test_stuck_rank_times_out_with_one_line(corpus_prefix, tmp_path):
     wait. The survivor must exit on its own within collective_timeout_s (+ slack) with the one line; the test
     then SIGKILLs the stopped rank, as torchrun would 30 s later (its fixed grace after a worker failure)."""
     out = tmp_path / "run"
-    p = _launch(_args(corpus_prefix, out), out)
+    p = _launch(_args(corpus_prefix, out, STUCK_TIMEOUT_S), out)
     _wait_for(lambda: 2 in _logged_steps(out), p, "step 2")
     workers = _workers(p.pid)
     t0 = time.monotonic()
     os.kill(workers[1], signal.SIGSTOP)
     try:
-        while not _gone(workers[0]) and time.monotonic() - t0 < TIMEOUT_S + 60:
+        while not _gone(workers[0]) and time.monotonic() - t0 < STUCK_TIMEOUT_S + 60:
             time.sleep(0.05)
         elapsed = time.monotonic() - t0
     finally:
         os.kill(workers[1], signal.SIGKILL)
     rc = p.wait(timeout=60)
     err = _stderr(out)
-    print(f"SIGSTOP of rank 1 -> rank 0 exited after {elapsed:.2f}s (collective timeout {TIMEOUT_S}s); "
+    print(f"SIGSTOP of rank 1 -> rank 0 exited after {elapsed:.2f}s (collective timeout {STUCK_TIMEOUT_S}s); "
           f"{_k3_lines(err)}")
     assert rc != 0
-    assert TIMEOUT_S * 0.9 < elapsed < TIMEOUT_S + 30, elapsed
+    assert STUCK_TIMEOUT_S * 0.9 < elapsed < STUCK_TIMEOUT_S + 30, elapsed
     lines = _k3_lines(err)
     assert len(lines) == 1, err[-4000:]
     assert re.match(r"k3train: error: rank 0: collective \w+ on group \w+ .*failed: peer rank 1 did not answer "
-                    rf"within {TIMEOUT_S} s", lines[0]), lines[0]
+                    rf"within {STUCK_TIMEOUT_S} s", lines[0]), lines[0]
 
 
 def test_kill9_mid_save_resumes_previous_checkpoint_exactly(corpus_prefix, tmp_path, reference):
     out = tmp_path / "run"
     pause_log = tmp_path / "paused.log"
-    p = _launch(_args(corpus_prefix, out), out, K3TRAIN_FAULT_PAUSE="checkpoint_before_complete:4:10",
+    # each rank sleeps 4 s after logging its pause; the kill follows the second rank's log within one 0.05 s poll
+    # (and a /proc scan), so rank 1 is still inside its pause when it dies
+    p = _launch(_args(corpus_prefix, out), out, K3TRAIN_FAULT_PAUSE="checkpoint_before_complete:4:4",
                 K3TRAIN_FAULT_PAUSE_LOG=str(pause_log))
     _wait_for(lambda: pause_log.is_file() and pause_log.read_text().count("rank=") == 2, p,
               "both ranks inside the step-4 save")

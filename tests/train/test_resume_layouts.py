@@ -14,8 +14,9 @@ from __future__ import annotations
 import pytest
 
 from train_helpers import FAST, assert_ok, read_metrics, run_train
+from train_helpers import STRAIGHT_STEPS as N
 
-N, K = 4, 2
+K = 2  # N = 4: step 3's update is B's first with A's optimizer state, step 4's loss shows it
 CASES = {  # name: (layout A, nproc A, layout B, nproc B)
     "pp2_vpp2_to_dp2": (["--parallel.pp=2", "--parallel.vpp=2"], 2, ["--parallel.zero=2"], 2),
     "dp2_ep2_to_ep1": (["--parallel.ep=2", "--parallel.zero=2"], 2, [], 0),
@@ -28,14 +29,7 @@ def _args(prefix, out, *extra):
             f"--train.steps={N}", *FAST, *extra]
 
 
-@pytest.fixture(scope="module")
-def straight(corpus_prefix, tmp_path_factory):
-    """One process, N steps without interruption."""
-    out = tmp_path_factory.mktemp("straight")
-    assert_ok(run_train(_args(corpus_prefix, out, "--checkpoint.resume=none")))
-    got = read_metrics(out)
-    assert [r["step"] for r in got] == list(range(1, N + 1))
-    return got
+# `straight` (tests/train/conftest.py): one process, N steps without interruption -- shared with test_train_e2e.py
 
 
 @pytest.mark.parametrize("case", list(CASES))

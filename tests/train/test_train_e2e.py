@@ -6,6 +6,11 @@ import math
 import pytest
 
 from train_helpers import FAST, assert_ok, read_metrics, run_train
+from train_helpers import STRAIGHT_STEPS as N
+
+# `straight` (tests/train/conftest.py): single process, N = 4 steps straight, the reference every other layout is
+# compared with. The resumed runs stop at step 2 and resume to 4: step 3's update is the first to use the loaded
+# optimizer state, and step 4's loss shows it.
 
 
 def _args(prefix, out, steps, *extra):
@@ -13,46 +18,38 @@ def _args(prefix, out, steps, *extra):
             f"--train.steps={steps}", *FAST, *extra]
 
 
-@pytest.fixture(scope="module")
-def straight(corpus_prefix, tmp_path_factory):
-    """Single process, 6 steps straight: the reference every other layout is compared with."""
-    out = tmp_path_factory.mktemp("straight")
-    assert_ok(run_train(_args(corpus_prefix, out, 6, "--checkpoint.resume=none")))
-    return read_metrics(out)
-
-
 def test_metrics_fields(straight):
-    assert [r["step"] for r in straight] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in straight] == [1, 2, 3, 4]
     for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu", "mem_gib", "moe_maxvio"):
         assert all(math.isfinite(r[key]) for r in straight), key
     assert straight[0]["loss"] == pytest.approx(math.log(4096), abs=0.15)  # untrained model: uniform-ish
 
 
 def test_exact_resume_single_process(corpus_prefix, tmp_path, straight):
-    """3 steps, stop, resume to 6 == 6 straight (bit-exact losses: same layout, same reduction order)."""
+    """2 steps, stop, resume to 4 == 4 straight (bit-exact losses: same layout, same reduction order)."""
     out = tmp_path / "resumed"
-    assert_ok(run_train(_args(corpus_prefix, out, 6, "--train.stop_at_step=3", "--checkpoint.resume=auto")))
-    assert (out / "checkpoints" / "step_00000003" / "COMPLETE").is_file()
+    assert_ok(run_train(_args(corpus_prefix, out, N, "--train.stop_at_step=2", "--checkpoint.resume=auto")))
+    assert (out / "checkpoints" / "step_00000002" / "COMPLETE").is_file()
     with open(out / "metrics.jsonl", "a") as f:  # a step logged after the checkpoint by a run that then crashed
-        f.write('{"step": 4, "loss": 123.0}\n')
-    assert_ok(run_train(_args(corpus_prefix, out, 6, "--checkpoint.resume=auto")))
+        f.write('{"step": 3, "loss": 123.0}\n')
+    assert_ok(run_train(_args(corpus_prefix, out, N, "--checkpoint.resume=auto")))
     got = read_metrics(out)
-    assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
     assert [r["loss"] for r in got] == [r["loss"] for r in straight]
     assert [r["grad_norm"] for r in got] == [r["grad_norm"] for r in straight]
 
 
 def test_torchrun_pipeline_vpp_trains_and_resumes(corpus_prefix, tmp_path, straight):
-    """torchrun, pp=2 x vpp=2: stop at step 4 (checkpoints at 2 and 4), then resume to 6. Same global batch, so
+    """torchrun, pp=2 x vpp=2: stop at step 2 (checkpoints at 1 and 2), then resume to 4. Same global batch, so
     every step's loss equals the single-process run (up to fp32 summation order)."""
     out = tmp_path / "pp"
-    pp = ["--parallel.pp=2", "--parallel.vpp=2", "--train.micro_batch_size=1", "--checkpoint.interval=2",
+    pp = ["--parallel.pp=2", "--parallel.vpp=2", "--train.micro_batch_size=1", "--checkpoint.interval=1",
           "--checkpoint.resume=auto"]
-    assert_ok(run_train(_args(corpus_prefix, out, 6, "--train.stop_at_step=4", *pp), nproc=2))
-    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
-    assert_ok(run_train(_args(corpus_prefix, out, 6, *pp), nproc=2))
+    assert_ok(run_train(_args(corpus_prefix, out, N, "--train.stop_at_step=2", *pp), nproc=2))
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    assert_ok(run_train(_args(corpus_prefix, out, N, *pp), nproc=2))
     got = read_metrics(out)
-    assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
     for a, b in zip(got, straight):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
@@ -61,13 +58,13 @@ def test_torchrun_pipeline_vpp_trains_and_resumes(corpus_prefix, tmp_path, strai
 
 def test_torchrun_expert_parallel_resumes_exactly(corpus_prefix, tmp_path, straight):
     """torchrun, dp=2 x ep=2 with MoonEP and ZeRO-2: expert shards and their optimizer state are DTensor shards
-    in the checkpoint; stop at 3, resume to 6, every step matches the single process."""
+    in the checkpoint; stop at 2, resume to 4, every step matches the single process."""
     out = tmp_path / "ep"
     ep = ["--parallel.ep=2", "--parallel.zero=2", "--checkpoint.resume=auto"]
-    assert_ok(run_train(_args(corpus_prefix, out, 6, "--train.stop_at_step=3", *ep), nproc=2))
-    assert_ok(run_train(_args(corpus_prefix, out, 6, *ep), nproc=2))
+    assert_ok(run_train(_args(corpus_prefix, out, N, "--train.stop_at_step=2", *ep), nproc=2))
+    assert_ok(run_train(_args(corpus_prefix, out, N, *ep), nproc=2))
     got = read_metrics(out)
-    assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
     for a, b in zip(got, straight):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
@@ -77,10 +74,10 @@ def test_torchrun_bf16_with_fp32_masters_tracks_fp32(corpus_prefix, tmp_path, st
     """train.dtype=bfloat16: bf16 parameters/activations/p2p payloads, fp32 master weights in the (ZeRO) optimizer.
     Same global batches as the fp32 run, so the losses stay close (bf16 rounding only)."""
     out = tmp_path / "bf16"
-    assert_ok(run_train(_args(corpus_prefix, out, 6, "--train.dtype=bfloat16", "--parallel.pp=2",
+    assert_ok(run_train(_args(corpus_prefix, out, N, "--train.dtype=bfloat16", "--parallel.pp=2",
                         "--checkpoint.resume=none"), nproc=2))
     got = read_metrics(out)
-    assert len(got) == 6
+    assert len(got) == N
     for a, b in zip(got, straight):
         assert a["loss"] == pytest.approx(b["loss"], abs=0.03)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=0.05)

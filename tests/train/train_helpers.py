@@ -14,6 +14,9 @@ TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 # a short run of the tiny config: 64-token sequences, 4 per step in 2 micro-batches per rank-pair
 FAST = ["--train.seq_len=64", "--train.global_batch_size=4", "--train.micro_batch_size=1",
         "--data.split=100,0,0", "--logging.wandb=false", "--optim.warmup_steps=2"]
+# steps of the shared single-process reference run (the `straight` fixture of tests/train/conftest.py): a resumed run
+# stops at 2 and resumes; step 3's update is the first with the loaded optimizer state, and step 4's loss shows it
+STRAIGHT_STEPS = 4
 
 
 def run_train(args: list[str], nproc: int = 0, timeout: float = 600,
