@@ -132,7 +132,6 @@ def main(argv: list[str] | None = None) -> int:
             log(f"measuring {r.layout.short()} ({args.steps} steps) ...")
             r.measured = measure_step(args.config, overrides + r.layout.overrides(), args.world_size, args.steps,
                                       dev.threads)
-            r.measured_step_s = r.measured["step_time_s"]
         ranked = res.ranked()  # the picks traced layouts the budget had left out: they compete too
         chosen = ranked[0] if ranked else None
     if args.plot:
@@ -176,9 +175,10 @@ def main(argv: list[str] | None = None) -> int:
               f"measured (rank 0; its fwd+bwd, grad norm)", file=out)
         for r in sorted(done, key=lambda r: r.pred.step_s):
             e = (r.pred.step_s - r.measured_step_s) / r.measured_step_s
-            m = r.measured
-            ph = (f"   {r.pred.optimizer:.3f} / {m.get('time_optimizer_s', float('nan')):.3f} "
-                  f"({m.get('time_forward_backward_s', float('nan')):.3f}, {m.get('time_grad_norm_s', float('nan')):.3f})")
+            m = {k: r.measured.get(k, float("nan")) for k in ("time_optimizer_s", "time_forward_backward_s",
+                                                                 "time_grad_norm_s")}
+            ph = (f"   {r.pred.optimizer:.3f} / {m['time_optimizer_s']:.3f} "
+                  f"({m['time_forward_backward_s']:.3f}, {m['time_grad_norm_s']:.3f})")
             print(f"{r.layout.short():<40} {r.pred.step_s:11.4f} {r.measured_step_s:11.4f} {100 * e:+6.1f}%{ph}",
                   file=out)
         rho = spearman([r.pred.step_s for r in done], [r.measured_step_s for r in done])

@@ -70,8 +70,11 @@ class Row:
     stage_peaks: list[int] = field(default_factory=list)
     fits: bool | None = None
     skipped: str = ""
-    measured_step_s: float | None = None
-    measured: dict[str, float] = field(default_factory=dict)  # measure_step's phases
+    measured: dict[str, float] = field(default_factory=dict)  # measure_step's phases (``--measure``)
+
+    @property
+    def measured_step_s(self) -> float | None:
+        return self.measured.get("step_time_s")
 
     def tokens_per_s(self, cfg: Any) -> float | None:
         if self.pred is None:
@@ -189,7 +192,7 @@ class Planner:
             families.setdefault(_family(r.layout), []).append(r)
             siblings.setdefault(_sibling_key(r.layout), []).append(r)
         seen: set[Layout] = set()
-        urgent: deque[Row] = deque()  # recompute twins of layouts found too big: examined next
+        urgent: deque[Row] = deque()  # neighbours of traced layouts (``_too_big_follow_ups``, siblings): next
 
         def rows_in_order():  # noqa: ANN202
             i = 0
@@ -424,12 +427,6 @@ def plot(res: PlanResult, path: str, chosen: Row | None, mark: Row | None = None
 # measurement
 # --------------------------------------------------------------------------------------------------------------
 PHASES = ("step_time_s", "time_forward_backward_s", "time_grad_norm_s", "time_optimizer_s")
-
-
-def measure_step_time(config: str, overrides: list[str], world: int, steps: int = 4, threads: int = 1,
-                      timeout: float = 1800) -> float:
-    """Median ``step_time_s`` of a real run (:func:`measure_step`)."""
-    return measure_step(config, overrides, world, steps, threads, timeout)["step_time_s"]
 
 
 def measure_step(config: str, overrides: list[str], world: int, steps: int = 4, threads: int = 1,

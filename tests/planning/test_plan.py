@@ -101,14 +101,14 @@ def test_memory_filter_matches_estimate(planned):
 
 
 def test_predicted_step_time_near_measured(planned):
-    from k3train.planning.plan import measure_step_time
+    from k3train.planning.plan import measure_step
 
     dev, _, _, res = planned
     (row,) = res.rows
     p = row.pred
     assert p.step_s > 0 and min(p.breakdown().values()) >= 0
     assert abs(sum(p.breakdown().values()) - p.step_s) <= 1e-9 * p.step_s
-    measured = measure_step_time(TINY, PIN + row.layout.overrides(), 2, steps=3, threads=dev.threads)
+    measured = measure_step(TINY, PIN + row.layout.overrides(), 2, steps=3, threads=dev.threads)["step_time_s"]
     assert 0.5 < p.step_s / measured < 2.0, (p.step_s, measured, p.breakdown())
 
 
