@@ -110,7 +110,9 @@ class ModelConfig:
     sign_update_rate: float = 1e-3
     # Block Attention Residuals
     attn_res_block_size: int = 12  # layers per block
-    attn_res_recompute: bool = True  # wrap AttnRes aggregation (standard residual: the pre-norm) in checkpointing
+    # AttnRes aggregation + pre-norm (standard residual: the pre-norm) keep only per-token scalars for backward
+    # (k3train/model/attnres_fused.py); false: the plain autograd reference, every intermediate kept
+    attn_res_recompute: bool = True
     # residual stream: "attnres" (Block AttnRes, above) | "standard" (PreNorm h = h + f(norm(h)); the ablation)
     residual: str = "attnres"
     # MTP

@@ -3,6 +3,7 @@
     .venv/bin/python tools/bench_attnres.py                                   # configs/small.yaml, both layouts
     .venv/bin/python tools/bench_attnres.py --bytes-only                      # only the (deterministic) bytes
     .venv/bin/python tools/bench_attnres.py --layouts single --steps 5 --train.seq_len=512
+    .venv/bin/python tools/bench_attnres.py --aggregation                     # one aggregation: fused vs reference
 
 For each residual (attnres, standard), layout (``single``: one process; ``pp2vpp2``: two gloo processes, pp=2 x
 vpp=2, interleaved 1F1B) and ``parallel.recompute`` (off, on; ``model.attn_res_recompute`` as the config sets it),
@@ -11,7 +12,9 @@ run through the trainer's own step runner (``parallel.pipeline.build_step_runner
 on CPU:
 
 * step time: median over ``--steps`` forward+backward steps after ``--warmup`` (slowest rank); the AttnRes
-  overhead is ``attnres / standard - 1`` (K3 report: < 4% under PP; goal here <= 5%). Timings need an idle machine.
+  overhead is ``attnres / standard - 1`` (K3 report: < 4% under PP; goal here <= 5%). Both residuals' runners
+  live in the same processes and their steps alternate, so drift of the host hits both. Timings need an idle
+  machine.
 * saved bytes per micro-batch: storage bytes a micro-batch's forward leaves alive for its backward, booked by
   :class:`k3train.planning.live_bytes.LiveBytes` (the counter the memory estimator and ``tools/memory.py
   --measure`` use) -- live bytes after minus before each forward (each of the rank's chunks of micro-batch 0 in
@@ -110,70 +113,123 @@ def _instrument(runner: Any, saved: _Saved, norm: LossNorm) -> LossNorm:
     return _Norm()  # type: ignore[return-value]
 
 
-def run_rank(rank: int, world: int, cfg: Any, steps: int, warmup: int) -> dict[str, Any]:
-    """Build this rank's runner, time ``steps`` steps, then one step under LiveBytes."""
-    dims = ParallelDims.from_config(cfg.parallel, world, rank)
+def run_rank(rank: int, world: int, cfgs: list[Any], steps: int, warmup: int) -> list[dict[str, Any]]:
+    """Build this rank's runner for each config (the residuals), time ``steps`` steps of each INTERLEAVED (step i
+    of every config, in an order that alternates from step to step, so that the host's drift over minutes --
+    +-15% between two idle runs of this bench when the residuals ran one after the other -- falls on both alike),
+    then one step of each under LiveBytes."""
+    dims = ParallelDims.from_config(cfgs[0].parallel, world, rank)
     if world > 1:
         dims.build_groups()
-    runner = build_step_runner(None, cfg, dims, device="cpu")
-    batches = micro_batches(cfg)
-    norm = LossNorm.from_batches(batches, cfg.model.mtp_loss_weight)
-    params = [p for m in runner.modules for p in m.parameters()]
+    runs = []
+    for cfg in cfgs:
+        runner = build_step_runner(None, cfg, dims, device="cpu")
+        batches = micro_batches(cfg)
+        runs.append((runner, batches, LossNorm.from_batches(batches, cfg.model.mtp_loss_weight),
+                     [p for m in runner.modules for p in m.parameters()]))
 
-    def step(n: Any = norm) -> None:
+    def step(k: int) -> float:
+        runner, batches, norm, params = runs[k]
         for p in params:
             p.grad = None
-        runner.forward_backward(batches, n)
-
-    times = []
-    for i in range(warmup + steps):
         if world > 1:
             dist.barrier()
         t0 = time.perf_counter()
-        step()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    lb = LiveBytes()
-    saved = _Saved(lb)
-    n = _instrument(runner, saved, norm)
-    for p in params:
-        p.grad = None
-    with lb:
-        lb.track(params)
-        base = lb.live
-        lb.reset_peak()
-        runner.forward_backward(batches, n)
-        peak = lb.peak - base
-    return {"rank": rank, "times": times, "saved_mb0": saved.by_mb.get(0, 0), "peak": peak}
+        runner.forward_backward(batches, norm)
+        return time.perf_counter() - t0
+
+    times: list[list[float]] = [[] for _ in runs]
+    for i in range(warmup + steps):
+        order = range(len(runs)) if i % 2 == 0 else reversed(range(len(runs)))
+        for k in order:
+            t = step(k)
+            if i >= warmup:
+                times[k].append(t)
+    out = []
+    for k, (runner, batches, norm, params) in enumerate(runs):
+        lb = LiveBytes()
+        saved = _Saved(lb)
+        n = _instrument(runner, saved, norm)
+        for p in params:
+            p.grad = None
+        with lb:
+            lb.track(params)
+            base = lb.live
+            lb.reset_peak()
+            runner.forward_backward(batches, n)
+            peak = lb.peak - base
+        out.append({"rank": rank, "times": times[k], "saved_mb0": saved.by_mb.get(0, 0), "peak": peak})
+    return out
 
 
-def _worker(rank: int, world: int, port: int, cfg: Any, steps: int, warmup: int, q: Any) -> None:
+def _worker(rank: int, world: int, port: int, cfgs: list[Any], steps: int, warmup: int, q: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=1800))
     try:
-        q.put(run_rank(rank, world, cfg, steps, warmup))
+        q.put(run_rank(rank, world, cfgs, steps, warmup))
     finally:
         dist.destroy_process_group()
 
 
-def run_layout(cfg: Any, world: int, steps: int, warmup: int) -> list[dict[str, Any]]:
+def run_layout(cfgs: list[Any], world: int, steps: int, warmup: int) -> list[list[dict[str, Any]]]:
+    """Per config: every rank's result (rank order)."""
     if world == 1:
-        return [run_rank(0, 1, cfg, steps, warmup)]
+        return [[r] for r in run_rank(0, 1, cfgs, steps, warmup)]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, cfg, steps, warmup, q)) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, cfgs, steps, warmup, q)) for r in range(world)]
     for p in procs:
         p.start()
-    out = [q.get(timeout=3600) for _ in range(world)]
+    per_rank = sorted((q.get(timeout=3600) for _ in range(world)), key=lambda rs: rs[0]["rank"])
     for p in procs:
         p.join()
         if p.exitcode != 0:
             raise RuntimeError(f"a rank exited with {p.exitcode}")
-    return sorted(out, key=lambda r: r["rank"])
+    return [[rs[k] for rs in per_rank] for k in range(len(cfgs))]
+
+
+def bench_aggregation(cfg: Any, reps: int = 20) -> None:
+    """One aggregation + pre-norm, forward + backward, at the config's micro-batch shape and 1..max sources: the
+    fused function (``attn_res_recompute``, k3train/model/attnres_fused.py) against the autograd reference, plain
+    and checkpointed (what ``attn_res_recompute`` ran before), and the standard residual's pre-norm that it
+    replaces, medians of ``reps``, in one run."""
+    from torch.utils.checkpoint import checkpoint
+
+    from k3train.model.attnres import AttnRes
+    from k3train.model.attnres_fused import rms_norm
+    from k3train.model.norm import RMSNorm
+
+    m = cfg.model
+    B, T, d = cfg.train.micro_batch_size, cfg.train.seq_len, m.hidden_size
+    torch.manual_seed(0)
+    res, pre = AttnRes(d, m.rms_norm_eps), RMSNorm(d, m.rms_norm_eps)
+    with torch.no_grad():
+        res.query.normal_()
+    ways = {"fused": lambda s: res(s, pre, True), "reference": lambda s: res(s, pre, False),
+            "ref. checkpointed": lambda s: checkpoint(res._aggregate, pre, *s, use_reentrant=False),
+            "standard pre-norm": lambda s: rms_norm(s[-1], pre)}  # what the standard residual runs instead
+    print(f"aggregation + pre-norm, forward + backward, [{B}, {T}, {d}] {cfg.train.dtype}, median of {reps} (ms):")
+    print(f"{'sources':>7} " + " ".join(f"{k:>17}" for k in ways) + f" {'speed-up vs ckpt':>17}")
+    L, bs = m.num_hidden_layers, m.attn_res_block_size
+    n_max = max(2 + (L - 1) // bs, 1 + L // bs + (L % bs > 0))  # a last layer's sources, the final aggregation's
+    for n in range(1, n_max + 1):
+        srcs = [torch.randn(B, T, d, requires_grad=True) for _ in range(n)]
+        ms = {}
+        for k, fn in ways.items():
+            ts = []
+            for i in range(reps + 3):
+                t0 = time.perf_counter()
+                y = fn(srcs)
+                y.backward(torch.ones_like(y))
+                if i >= 3:
+                    ts.append(time.perf_counter() - t0)
+            ms[k] = 1e3 * statistics.median(ts)
+        print(f"{n:>7} " + " ".join(f"{v:>17.2f}" for v in ms.values())
+              + f" {ms['ref. checkpointed'] / ms['fused']:>16.2f}x")
 
 
 def _mib(n: float) -> str:
@@ -189,7 +245,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="timed steps (median)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--bytes-only", action="store_true", help="no timed steps: only the saved / peak bytes")
+    ap.add_argument("--aggregation", action="store_true",
+                    help="only time one AttnRes aggregation + pre-norm: fused vs the autograd reference")
     args, overrides = ap.parse_known_args()
+    if args.aggregation:
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+        bench_aggregation(make_cfg(args.config, "attnres", 1, 1, False, overrides))
+        return
     steps, warmup = (0, 0) if args.bytes_only else (args.steps, args.warmup)
 
     print(f"{'layout':<8} {'recompute':<9} {'residual':<9} | {'step s':>8} {'overhead':>8} | "
@@ -205,9 +267,8 @@ def main() -> None:
             print(f"{layout}: layers per virtual stage {sizes} for both residuals")
         for rc in args.recompute:
             res = {}
-            for residual in RESIDUALS:
-                cfg = make_cfg(args.config, residual, pp, vpp, rc == "on", same)
-                ranks = run_layout(cfg, pp, steps, warmup)
+            cfgs = [make_cfg(args.config, residual, pp, vpp, rc == "on", same) for residual in RESIDUALS]
+            for residual, ranks in zip(RESIDUALS, run_layout(cfgs, pp, steps, warmup)):
                 t = (max(statistics.median(r["times"]) for r in ranks) if steps else float("nan"))
                 res[residual] = (t, max(r["saved_mb0"] for r in ranks), max(r["peak"] for r in ranks))
             std = res["standard"]

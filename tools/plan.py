@@ -41,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--exhaustive", action="store_true", help="simulate and trace every layout")
     ap.add_argument("--trace-budget-s", type=float, default=100.0, help="seconds of memory traces at most")
     ap.add_argument("--sim-budget-s", type=float, default=60.0, help="seconds of schedule simulation at most")
+    ap.add_argument("--time-budget-s", type=float, default=270.0,
+                    help="seconds of the whole plan at most (enumeration, bounds, simulation, traces; not --measure)")
     ap.add_argument("--reference", default="", help="a layout to place in the ranking, as overrides "
                                                     "'--parallel.pp=16 --parallel.vpp=2 ...'")
     ap.add_argument("--json", action="store_true")
@@ -98,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
 
         planner = Planner(args.config, overrides, args.world_size, dev, top=max(args.top, args.measure),
                           skew=args.ep_skew, exhaustive=args.exhaustive, layer_times=lt,
-                          trace_budget_s=args.trace_budget_s, sim_budget_s=args.sim_budget_s, log=log,
+                          trace_budget_s=args.trace_budget_s, sim_budget_s=args.sim_budget_s,
+                          time_budget_s=args.time_budget_s, log=log,
                           pairs=pairs)
         planner.enum_s = t_enum
         res = planner.run()

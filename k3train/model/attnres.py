@@ -14,9 +14,10 @@ Pseudo-queries start at zero, so every aggregation starts as the uniform average
 paper's init: training starts from an equal-weight mix rather than a random preference over depth).
 
 Systems: completed blocks are computed once at block boundaries and stay resident (they are the stage-to-stage
-payload under pipeline parallelism); the aggregation + pre-norm is wrapped in activation checkpointing, so per
-sublayer autograd keeps only the new partial sum and the normalised sublayer input -- what a standard pre-norm
-residual layer keeps (its residual stream and its normalised input).
+payload under pipeline parallelism); under ``attn_res_recompute`` the aggregation + pre-norm is one autograd
+function that keeps only per-token scalars (k3train/model/attnres_fused.py), so per sublayer autograd keeps the
+new partial sum and the normalised sublayer input -- what a standard pre-norm residual layer keeps (its residual
+stream and its normalised input).
 """
 from __future__ import annotations
 
@@ -24,8 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
-
+from k3train.model.attnres_fused import aggregate_norm
 from k3train.model.norm import RMSNorm
 
 
@@ -97,8 +97,10 @@ class AttnRes(nn.Module):
     """One aggregation: pseudo-query ``query [d]`` (init 0) and key norm ``key_norm`` (RMSNorm with weight).
 
     ``forward(sources, pre_norm=None, recompute=False)`` returns ``pre_norm(h)`` (or ``h``). With ``recompute``
-    (and autograd on) the aggregation and the pre-norm run under ``torch.utils.checkpoint`` (non-reentrant):
-    nothing inside is saved for backward; they are recomputed from the (resident) sources.
+    (``model.attn_res_recompute``) the aggregation and the pre-norm run as one autograd function
+    (:func:`k3train.model.attnres_fused.aggregate_norm`) that saves only per-token scalars besides the (resident)
+    sources and rebuilds ``h`` in backward -- what checkpointing them would keep, at a third of the passes over
+    the sources; without, the readable autograd reference (:func:`attn_res_aggregate`) keeps every intermediate.
     """
 
     def __init__(self, dim: int, eps: float) -> None:
@@ -114,6 +116,8 @@ class AttnRes(nn.Module):
                 recompute: bool = False) -> torch.Tensor:
         if not sources:
             raise ValueError("AttnRes needs at least one source (the embedding)")
-        if recompute and torch.is_grad_enabled():
-            return checkpoint(self._aggregate, pre_norm, *sources, use_reentrant=False)
+        if recompute:
+            if pre_norm is not None and not isinstance(pre_norm, RMSNorm):
+                raise TypeError(f"AttnRes: the fused aggregation takes an RMSNorm pre-norm, got {type(pre_norm)}")
+            return aggregate_norm(sources, self.query, self.key_norm, pre_norm)
         return self._aggregate(pre_norm, *sources)

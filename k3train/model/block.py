@@ -21,9 +21,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
-
 from k3train.model.attnres import AttnRes, AttnResState
+from k3train.model.attnres_fused import rms_norm
 from k3train.model.ffn import DenseFFN
 from k3train.model.kda import KDALayer
 from k3train.model.mla import MLA
@@ -91,12 +90,12 @@ class K3Layer(nn.Module):
         return AttnResState(blocks=list(blocks), partial=partial)
 
     def _pre_norm(self, norm: nn.Module, h: torch.Tensor) -> torch.Tensor:
-        """``norm(h)``; under ``attn_res_recompute`` recomputed in backward (non-reentrant checkpoint) exactly as
-        the AttnRes path recomputes its aggregation + pre-norm, so the ablation compares like with like: per
-        sublayer autograd keeps the residual stream and the normalised input (what a fused RMSNorm keeps), not
-        the norm's fp32 intermediates."""
-        if self.recompute and torch.is_grad_enabled():
-            return checkpoint(norm, h, use_reentrant=False)
+        """``norm(h)``; under ``attn_res_recompute`` the norm with a hand-written backward that keeps only ``h``
+        and one ``rsqrt`` per token (:func:`k3train.model.attnres_fused.rms_norm`), as the AttnRes path's fused
+        aggregation + pre-norm does, so the ablation compares like with like: per sublayer autograd keeps the
+        residual stream and the normalised input, not the norm's fp32 intermediates."""
+        if self.recompute:
+            return rms_norm(h, norm)
         return norm(h)
 
     def extra_repr(self) -> str:

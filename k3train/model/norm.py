@@ -8,8 +8,9 @@ from torch import nn
 class RMSNorm(nn.Module):
     """``y = x / sqrt(mean(x^2) + eps) * weight`` over the last dimension.
 
-    Computed in fp32 whatever the input dtype (the mean of squares of bf16 activations loses too much), returned
-    in the input dtype. ``weight`` starts at ones (a freshly built norm is the identity up to scale).
+    Computed in fp32 whatever the input dtype (the mean of squares of bf16 activations loses too much; fp64 inputs,
+    the references, stay fp64), returned in the input dtype. ``weight`` starts at ones (a freshly built norm is the
+    identity up to scale).
 
     Shapes: ``x[..., dim] -> [..., dim]``. No communication.
     """
@@ -32,9 +33,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.dim:
             raise ValueError(f"RMSNorm: expected last dimension {self.dim}, got shape {tuple(x.shape)}")
-        xf = x.float()
+        acc = torch.promote_types(x.dtype, torch.float32)  # fp64 runs (the references) stay fp64
+        xf = x.to(acc)
         y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+        return (y * self.weight.to(acc)).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}"

@@ -28,8 +28,9 @@ from k3train.planning.devices import host_key, load_cache, median_time, save_cac
 
 
 # bumped whenever what bench_layers runs changes, so a calibration file never serves times of an older method
-# (2: EP layers through the real dispatcher, CP layers through KCP / MLA-CP)
-LAYERS_VERSION = 2
+# (2: EP layers through the real dispatcher, CP layers through KCP / MLA-CP; 3: the backward under recompute
+# timed, fused AttnRes aggregation)
+LAYERS_VERSION = 3
 
 
 def _key(cfg: Any, *parts: Any) -> str:
@@ -90,7 +91,8 @@ def _cp_seq(cfg: Any, B: int, T: int) -> tuple[Any, Any]:
 
 
 def bench_layers(cfg: Any, B: int, T: int, ep: int, threads: int) -> dict[str, Any]:
-    """``{'embed': [f, b], 'layers': [[f, b], ...], 'head': [f, b]}`` seconds for one ``[B, T]`` micro-batch
+    """``{'embed': [f, b, b_rc], 'layers': [[f, b, b_rc], ...], 'head': [f, b, b_rc]}`` seconds for one ``[B, T]``
+    micro-batch (``b_rc``: the backward under ``parallel.recompute``, its re-run forward included)
     (``T`` = the rank's segment: ``seq_len / cp``; under ``cfg.parallel.cp > 1`` through the real KCP / MLA-CP
     code of the last CP rank, :func:`_cp_seq`)."""
     import contextlib
@@ -99,6 +101,7 @@ def bench_layers(cfg: Any, B: int, T: int, ep: int, threads: int) -> dict[str, A
     from k3train.model.seq import SeqInfo
     from k3train.planning.memory import trace_batch
     from k3train.planning.sim_collectives import simulated_collectives
+    from parallel.pipeline.stage import run_maybe_recomputed
 
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -139,10 +142,18 @@ def bench_layers(cfg: Any, B: int, T: int, ep: int, threads: int) -> dict[str, A
                 torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
                 model.zero_grad(set_to_none=True)
 
+            def both_rc() -> None:  # parallel.recompute: the forward under the runner's own checkpoint
+                roots = run_maybe_recomputed(fwd, True)
+                torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
+                model.zero_grad(set_to_none=True)
+
             tf = _time(f_only)
-            # forward with autograd on, then backward: backward = total - forward (grad-mode forward is slower)
+            # forward with autograd on, then backward: backward = total - forward (grad-mode forward is slower);
+            # under recompute the backward re-runs the forward with autograd on, inside the checkpoint's hooks,
+            # which costs more than the no-grad forward (tiny: 1.44x a step without recompute, not 1.24x)
             tfb = _time(both)
-            return tf, max(0.0, tfb - tf)
+            tfb_rc = _time(both_rc)
+            return tf, max(0.0, tfb - tf), max(0.0, tfb_rc - tf)
 
         def embed() -> list[torch.Tensor]:
             st = model.embed(batch.tokens)

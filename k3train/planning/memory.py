@@ -452,6 +452,16 @@ def trace_range(cfg: Config, model: nn.Module, s: int, e: int, first: bool, last
 # a + b T + c T^2 (memory is at most quadratic in T: the dense MLA attention), evaluated at the real T with the
 # quadratic term times cp (MLA-CP: keys from every segment up to the last rank's), and the layers of a chunk are
 # composed in order (forward peak: earlier layers' saved bytes + this layer's transient; backward in reverse).
+class TraceDeadline(Exception):
+    """Raised between traces once ``EstimateCache.deadline`` (a ``time.perf_counter()`` value) has passed: the
+    planner's memory-trace budget is spent (the pieces traced so far stay cached, and are exact)."""
+
+
+def _check_deadline(deadline: float | None) -> None:
+    if deadline is not None and time.perf_counter() > deadline:
+        raise TraceDeadline
+
+
 TRACE_BUDGET = 8192 * 16  # tokens x layers traced whole (tiny and small: whole chunks)
 
 
@@ -494,14 +504,15 @@ def layer_signature(cfg: Config, i: int) -> tuple:
 def trace_chunk(cfg: Config, model: nn.Module, part: Any, plan: Any, v: int, chunk: int, batch: Any,
                 fake: FakeTensorMode, cache: dict | None = None, batch_hi: Any = None,
                 cp_rank: int = 0, rows: tuple[Any, Any] = (None, None),
-                media: MediaCase | None = None) -> ChunkTrace:
+                media: MediaCase | None = None, deadline: float | None = None) -> ChunkTrace:
     """Virtual stage ``v`` on one micro-batch of CP rank ``cp_rank`` (see :func:`trace_range`; composed per layer
     above ``TRACE_BUDGET``, ``cache`` holding the per-signature fits).
 
     Under CP the real KCP context runs with simulated collectives. Composed traces are taken at CP ranks 0 and 1
     and extended to rank r affinely (rank r's MLA attends over its causal prefix of (r+1) segments: every
     key-side byte -- the latent prefix, expanded keys and values, the [T, (r+1)T] scores -- grows linearly with
-    r; the KCP pairs are the whole group's on every rank)."""
+    r; the KCP pairs are the whole group's on every rank). ``deadline``: :class:`TraceDeadline` before any trace
+    that starts after it."""
     s, e = part.bounds[v]
     first, last = v == 0, v == part.num_stages - 1
     d = cfg.model.hidden_size
@@ -511,6 +522,7 @@ def trace_chunk(cfg: Config, model: nn.Module, part: Any, plan: Any, v: int, chu
     hi = None
     C = cfg.parallel.cp
     if whole_traces(cfg, B, T):
+        _check_deadline(deadline)
         saved, f_peak, b_peak = trace_range(cfg, model, s, e, first, last, batch, fake, recompute, cp_rank, rows[0],
                                             media)
         if batch_hi is not None:
@@ -532,6 +544,7 @@ def trace_chunk(cfg: Config, model: nn.Module, part: Any, plan: Any, v: int, chu
             if ck not in cache:
                 fits = []
                 for r in ((0, 1) if C > 1 else (0,)):
+                    _check_deadline(deadline)
                     ys = [trace_range(cfg, model, a, b, fst, lst, trace_batch(cfg, B, t // B, r)[0], fake, False,
                                       r if C > 1 else None, None, media)
                           for t in COMPOSE_TOKENS]  # synthetic CP rows
@@ -745,6 +758,7 @@ def estimate(cfg: Config, world_size: int, cache: Any = None, media: MediaCase |
         full = build_full(cfg, E, 0, fake)
         mark_expert_params(full)
     for pp_rank in range(P):
+        _check_deadline(getattr(cache, "deadline", None))
         model = build_stage(full, part, pp_rank)
         # ownership over the real group ranks (identical for every pipeline of this stage)
         infos = build_param_infos([model], cfg.optim,
@@ -786,7 +800,8 @@ def estimate(cfg: Config, world_size: int, cache: Any = None, media: MediaCase |
         for cr in range(C):
             batch, batch_hi, row, row_hi = cp_batches[cr]
             traces_cp[cr] = {c: trace_chunk(cfg, full, part, plan, part.stage(pp_rank, c) if P > 1 else 0, c,
-                                            batch, fake, piece_cache, batch_hi, cr, (row, row_hi), media)
+                                            batch, fake, piece_cache, batch_hi, cr, (row, row_hi), media,
+                                            getattr(cache, "deadline", None))
                              for c in range(len(local_chunks))}
         traces = traces_cp[0]
         params = _nbytes(list(model.parameters())) + _nbytes(list(model.buffers()))

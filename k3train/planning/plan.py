@@ -31,6 +31,7 @@ from typing import Any
 
 from k3train.planning.devices import Device
 from k3train.planning.layouts import Layout, Validator, enumerate_layouts
+from k3train.planning.memory import TraceDeadline
 from k3train.planning.step_time import (ParamFacts, Prediction, compute_lower_bound, predict, single_program,
                                         static_memory_lower_bound)
 
@@ -46,6 +47,7 @@ class EstimateCache:
         self.ns: dict = {}
         self.results: dict[Layout, Any] = {}  # layout -> Estimate (a re-plan for another device traces nothing)
         self._full: dict[tuple, Any] = {}
+        self.deadline: float | None = None  # estimate raises memory.TraceDeadline once time.perf_counter() passes it
 
     def full_model(self, cfg: Any, ep: int, fake: Any) -> Any:
         from k3train.planning.memory import build_full
@@ -118,12 +120,14 @@ def mfu(row: Row, cfg: Any, world: int, peak_flops: float) -> float:
 class Planner:
     def __init__(self, config: str, overrides: list[str], world: int, dev: Device, *, top: int = 10,
                  skew: float = 1.5, exhaustive: bool = False, layer_times: Any = None,
-                 trace_budget_s: float = 240.0, sim_budget_s: float = 120.0, log: Any = print,
+                 trace_budget_s: float = 240.0, sim_budget_s: float = 120.0, time_budget_s: float = math.inf,
+                 log: Any = print,
                  pairs: tuple[list[tuple[Layout, Any]], int] | None = None,
                  cache: EstimateCache | None = None) -> None:
         self.config, self.overrides, self.world, self.dev = config, overrides, world, dev
         self.top, self.skew, self.exhaustive, self.lt = top, skew, exhaustive, layer_times
         self.trace_budget_s, self.sim_budget_s, self.log = trace_budget_s, sim_budget_s, log
+        self.time_budget_s = time_budget_s  # the whole plan's seconds, enumeration included (``run``)
         self.cache = cache or EstimateCache()
         self._programs: dict[tuple, Any] = {}
         self._pairs = pairs
@@ -144,6 +148,8 @@ class Planner:
         t0 = time.perf_counter()
         pairs, checked = self._pairs or enumerate_layouts(self.config, self.overrides, self.world)
         t_enum = time.perf_counter() - t0 if self._pairs is None else self.enum_s
+        # the plan's wall-clock end: simulation and traces stop there whatever their own budgets have left
+        t_end = t0 + self.time_budget_s - (self.enum_s if self._pairs is not None else 0.0)
         if not pairs:
             from k3train.config import ConfigError
 
@@ -217,6 +223,9 @@ class Planner:
             if not self.exhaustive and t_sim > self.sim_budget_s:
                 r.skipped = "simulation budget"
                 continue
+            if not self.exhaustive and time.perf_counter() > t_end:
+                r.skipped = "time budget"
+                continue
             ts = time.perf_counter()
             r.pred = predict(r.cfg, lay, val.partition(r.cfg), self.programs(lay, r.cfg.train.grad_accum_steps),
                              self.dev, facts, self.lt, self.skew, opt_times)
@@ -228,7 +237,17 @@ class Planner:
                 r.skipped = "trace budget"
                 continue
             ts = time.perf_counter()
-            self.trace(r)
+            # the budget bounds the traces' time itself: one started near its end stops at it (a K3 trace can take
+            # 45 s), and what it traced of the model stays cached
+            self.cache.deadline = None if self.exhaustive else min(ts + self.trace_budget_s - t_mem, t_end)
+            try:
+                self.trace(r)
+            except TraceDeadline:
+                r.skipped = "time budget" if time.perf_counter() > t_end else "trace budget"
+                t_mem += time.perf_counter() - ts
+                continue
+            finally:
+                self.cache.deadline = None
             t_mem += time.perf_counter() - ts
             n_traced += 1
             self.log(f"  memory of {lay.short()}: {_gib(r.peak_bytes)} GiB ({'fits' if r.fits else 'too big'}), "
@@ -255,6 +274,8 @@ class Planner:
                             "spent",
             "simulation budget": "layouts with the largest step-time lower bounds not simulated: simulation "
                                  f"budget ({self.sim_budget_s:.0f} s) spent",
+            "time budget": f"layouts not simulated or traced: the plan's time budget ({self.time_budget_s:.0f} s, "
+                           "enumeration included) spent",
         }
         for reason, text in why.items():
             n = sum(r.skipped == reason for r in rows)

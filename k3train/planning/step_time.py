@@ -204,7 +204,9 @@ class ActionCosts:
 
 
 def layer_compute(cfg: Any, dev: Device, lay: Any, layer_times: Any, skew: float) -> tuple[list, list, list]:
-    """Per piece forward/backward seconds: ``(embed [f, b], layers [[f, b]], head [f, b])``."""
+    """Per piece forward/backward seconds: ``(embed [f, b, b_rc], layers [[f, b, b_rc]], head [f, b, b_rc])``,
+    ``b_rc`` the backward under ``parallel.recompute`` (the forward re-run included: timed on ``cpu``, ``b + f``
+    from the FLOPs otherwise)."""
     from parallel.pipeline.partition import embed_cost, head_cost, layer_cost
 
     m = cfg.model
@@ -216,11 +218,11 @@ def layer_compute(cfg: Any, dev: Device, lay: Any, layer_times: Any, skew: float
     if layer_times is not None:
         t = layer_times.layers(cfg, B, T, lay.ep)
         layers = []
-        for i, (f, b) in enumerate(t["layers"]):
+        for i, fb in enumerate(t["layers"]):
+            x = 1.0
             if m.is_moe_layer(i) and sk != 1.0:
-                share = routed / layer_cost(m, i, T)
-                f, b = f * (1 + (sk - 1) * share), b * (1 + (sk - 1) * share)
-            layers.append([f, b])
+                x = 1 + (sk - 1) * routed / layer_cost(m, i, T)
+            layers.append([y * x for y in fb])
         return list(t["embed"]), layers, list(t["head"])
     rate = dev.flops()
     s_eff = 2 * Tfull - T - 1 if lay.cp > 1 else Tfull  # MLA: mean context of the last CP rank
@@ -229,10 +231,10 @@ def layer_compute(cfg: Any, dev: Device, lay: Any, layer_times: Any, skew: float
         c = layer_cost(m, i, s_eff if m.layer_kind(i) == "mla" else T)
         if m.is_moe_layer(i):
             c += routed * (sk - 1)
-        layers.append([c * N / rate, 2 * c * N / rate])
+        layers.append([c * N / rate, 2 * c * N / rate, 3 * c * N / rate])
     e = embed_cost(m) * N / rate
     h = head_cost(m, s_eff) * N / rate
-    return [e, 2 * e], layers, [h, 2 * h]
+    return [e, 2 * e, 3 * e], layers, [h, 2 * h, 3 * h]
 
 
 def comm_per_layer(cfg: Any, dev: Device, lay: Any, skew: float) -> tuple[list[float], list[float]]:
@@ -311,13 +313,14 @@ def action_costs(cfg: Any, dev: Device, lay: Any, part: Any, plan: Any, layer_ti
     f, b, fc, bc = [], [], [], []
     for v in range(n):
         s, e = part.bounds[v]
+        k = 2 if lay.recompute else 1  # the backward under recompute re-runs the forward (layer_compute)
         fv = sum(layers[i][0] for i in range(s, e)) + (emb[0] if v == 0 else 0) + (head[0] if v == n - 1 else 0)
-        bv = sum(layers[i][1] for i in range(s, e)) + (emb[1] if v == 0 else 0) + (head[1] if v == n - 1 else 0)
+        bv = sum(layers[i][k] for i in range(s, e)) + (emb[k] if v == 0 else 0) + (head[k] if v == n - 1 else 0)
         fcv, bcv = sum(cf[s:e]), sum(cb[s:e])
         if v == n - 1:  # the MTP layer's communication (comm_per_layer's extra entry)
             fcv, bcv = fcv + sum(cf[len(layers):]), bcv + sum(cb[len(layers):])
         if lay.recompute:
-            bv, bcv = bv + fv, bcv + fcv
+            bcv = bcv + fcv
         f.append(fv)
         b.append(bv)
         fc.append(fcv)

@@ -82,7 +82,8 @@ def test_recompute_changes_nothing():
     m1.train(), m2.train()
     l1, g1 = _whole(m1, batch)
     l2, g2 = _whole(m2, batch)
-    assert torch.equal(l1, l2)
+    # the fused aggregation (attnres_fused.py) reorders the reference's arithmetic: equal to fp64 rounding
+    torch.testing.assert_close(l1, l2, atol=1e-12, rtol=1e-12)
     names = [n for n, _ in m1.named_parameters()]
     assert_grads_close([(n, a) for n, a in zip(names, g1) if a is not None],
                        [(n, b) for n, b in zip(names, g2) if b is not None], tight=1e-12, norm_tol=1e-12)

@@ -98,6 +98,15 @@ def test_memory_filter_matches_estimate(planned):
     res3 = Planner(TINY, PIN, 2, tiny_dev, layer_times=lt, log=lambda *a: None, cache=EstimateCache()).run()
     assert all(r.fits is False and r.skipped == "bound" and r.peak_bytes is None for r in res3.rows)
     assert res3.ranked() == []
+    # a trace budget that is spent before the first trace ends stops that trace (a fresh cache: it would trace)
+    res4 = Planner(TINY, PIN, 2, dev, layer_times=lt, log=lambda *a: None, cache=EstimateCache(),
+                   trace_budget_s=0.0).run()
+    assert [(r.skipped, r.peak_bytes, r.fits) for r in res4.rows] == [("trace budget", None, None)]
+    assert res4.ranked() == [] and any("trace budget" in n for n in res4.notes)
+    # the whole plan's time budget (enumeration included) stops simulation and traces alike
+    res5 = Planner(TINY, PIN, 2, dev, layer_times=lt, log=lambda *a: None, cache=EstimateCache(),
+                   time_budget_s=0.0).run()
+    assert [(r.skipped, r.pred, r.peak_bytes) for r in res5.rows] == [("time budget", None, None)]
 
 
 def test_predicted_step_time_near_measured(planned):
