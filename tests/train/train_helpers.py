@@ -19,6 +19,20 @@ FAST = ["--train.seq_len=64", "--train.global_batch_size=4", "--train.micro_batc
 STRAIGHT_STEPS = 4
 
 
+def assert_same_run(got: list[dict], ref: list[dict], what: object = "") -> None:
+    """Every step's loss and grad norm of ``got`` equal ``ref``'s up to fp32 summation order: another layout (or
+    fp32 arithmetic reordered, as the fused AttnRes aggregation does) changes the roundings, and three Adam/Muon
+    updates amplify them to ~1e-5 of the loss (two single-process runs of the same model, fused vs reference
+    aggregation, differ by 1.1e-5 at step 4) -- the bound leaves 5x. A resume that lost optimizer state, router
+    biases or the data position moves step 3's loss by 1e-3 or more."""
+    import pytest
+
+    assert [r["step"] for r in got] == [r["step"] for r in ref], what
+    for a, b in zip(got, ref):
+        assert a["loss"] == pytest.approx(b["loss"], rel=5e-5, abs=5e-5), (what, a["step"], a["loss"], b["loss"])
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=5e-4), (what, a["step"])
+
+
 def run_train(args: list[str], nproc: int = 0, timeout: float = 600,
               env_extra: dict[str, str | None] | None = None) -> subprocess.CompletedProcess:
     """``python -m k3train.train`` (nproc 0) or ``torchrun --nproc_per_node=nproc -m k3train.train``.
