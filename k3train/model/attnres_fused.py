@@ -1,7 +1,7 @@
 """The AttnRes aggregation + pre-norm as one autograd function with a hand-written backward (``attn_res_recompute``).
 
 Reference: :func:`k3train.model.attnres.attn_res_aggregate` followed by the pre-norm, through autograd (the tests
-compare outputs and every gradient against it, tests/model/test_attnres_fused.py). Same maths, reordered so that no
+compare outputs and every gradient against it, tests/model/test_attnres.py). Same maths, reordered so that no
 ``[N, B, T, d]`` tensor is ever built (the reference stacks the sources and key-normalises all of them)::
 
     u = w_key * query                                  [d]
@@ -48,12 +48,11 @@ class _AggregateNorm(torch.autograd.Function):
                 eps_p: float, *sources: torch.Tensor) -> torch.Tensor:
         dt = sources[0].dtype
         acc = _acc(dt)
-        d = sources[0].shape[-1]
         u = wk.to(acc) * q.to(acc)
         r, p = [], []
         for s in sources:
             sf = s.to(acc)
-            r.append(torch.linalg.vector_norm(sf, dim=-1).square_().div_(d).add_(eps_k).rsqrt_())
+            r.append(_norm_fwd(sf, eps_k).squeeze(-1))
             p.append(sf @ u)
         r_, p_ = torch.stack(r), torch.stack(p)  # [N, B, T]
         alpha = torch.softmax(r_ * p_, dim=0)

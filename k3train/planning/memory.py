@@ -445,13 +445,6 @@ def trace_range(cfg: Config, model: nn.Module, s: int, e: int, first: bool, last
     return saved, f_peak, b_peak
 
 
-# Above this many (tokens per micro-batch and rank) x (model layers) chunks are not traced whole: the cost of a
-# fake trace grows with both (chunked KDA's recurrence is one Python step per 64 tokens: a 64K-token K3 segment
-# would take hours of fake ops; 93 K3 layers at 4K tokens ~10 minutes on 2 cores). Instead each distinct layer
-# signature is traced alone at COMPOSE_TOKENS = 1K, 2K and 4K tokens, every byte count is fitted EXACTLY by
-# a + b T + c T^2 (memory is at most quadratic in T: the dense MLA attention), evaluated at the real T with the
-# quadratic term times cp (MLA-CP: keys from every segment up to the last rank's), and the layers of a chunk are
-# composed in order (forward peak: earlier layers' saved bytes + this layer's transient; backward in reverse).
 class TraceDeadline(Exception):
     """Raised between traces once ``EstimateCache.deadline`` (a ``time.perf_counter()`` value) has passed: the
     planner's memory-trace budget is spent (the pieces traced so far stay cached, and are exact)."""
@@ -462,6 +455,13 @@ def _check_deadline(deadline: float | None) -> None:
         raise TraceDeadline
 
 
+# Above this many (tokens per micro-batch and rank) x (model layers) chunks are not traced whole: the cost of a
+# fake trace grows with both (chunked KDA's recurrence is one Python step per 64 tokens: a 64K-token K3 segment
+# would take hours of fake ops; 93 K3 layers at 4K tokens ~10 minutes on 2 cores). Instead each distinct layer
+# signature is traced alone at COMPOSE_TOKENS = 1K, 2K and 4K tokens, every byte count is fitted EXACTLY by
+# a + b T + c T^2 (memory is at most quadratic in T: the dense MLA attention), evaluated at the real T with the
+# quadratic term times cp (MLA-CP: keys from every segment up to the last rank's), and the layers of a chunk are
+# composed in order (forward peak: earlier layers' saved bytes + this layer's transient; backward in reverse).
 TRACE_BUDGET = 8192 * 16  # tokens x layers traced whole (tiny and small: whole chunks)
 
 
