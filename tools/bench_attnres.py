@@ -11,10 +11,12 @@ one step's micro-batches (``global_batch_size / micro_batch_size``, synthetic to
 run through the trainer's own step runner (``parallel.pipeline.build_step_runner``: LocalRunner / PipelineRunner)
 on CPU:
 
-* step time: median over ``--steps`` forward+backward steps after ``--warmup`` (slowest rank); the AttnRes
-  overhead is ``attnres / standard - 1`` (K3 report: < 4% under PP; goal here <= 5%). Both residuals' runners
-  live in the same processes and their steps alternate, so drift of the host hits both. Timings need an idle
-  machine.
+* step time: median over ``--steps`` forward+backward steps after ``--warmup`` (slowest rank). Both residuals'
+  runners live in the same processes and their steps alternate (A B, B A, A B, ...), so step i of one and step i
+  of the other are adjacent in time: the AttnRes overhead is the median over i of ``attnres_i / standard_i - 1``
+  (K3 report: < 4% under PP; goal here <= 5%), with the range of those pair ratios beside it. The host drifts by
+  several percent from one 30 s step to the next even when idle; pairing cancels the drift that is slower than a
+  pair. Timings need an idle machine.
 * saved bytes per micro-batch: storage bytes a micro-batch's forward leaves alive for its backward, booked by
   :class:`k3train.planning.live_bytes.LiveBytes` (the counter the memory estimator and ``tools/memory.py
   --measure`` use) -- live bytes after minus before each forward (each of the rank's chunks of micro-batch 0 in
@@ -268,17 +270,25 @@ def main() -> None:
         for rc in args.recompute:
             res = {}
             cfgs = [make_cfg(args.config, residual, pp, vpp, rc == "on", same) for residual in RESIDUALS]
+            per_step = {}
             for residual, ranks in zip(RESIDUALS, run_layout(cfgs, pp, steps, warmup)):
-                t = (max(statistics.median(r["times"]) for r in ranks) if steps else float("nan"))
+                per_step[residual] = [max(ts) for ts in zip(*(r["times"] for r in ranks))]   # slowest rank
+                t = statistics.median(per_step[residual]) if steps else float("nan")
                 res[residual] = (t, max(r["saved_mb0"] for r in ranks), max(r["peak"] for r in ranks))
             std = res["standard"]
             for residual in RESIDUALS:
                 t, sv, pk = res[residual]
-                over = f"{100 * (t / std[0] - 1):+7.1f}%" if steps else f"{'-':>8}"
+                over, spread = f"{'-':>8}", ""
+                if steps:
+                    pairs = [a / b - 1 for a, b in zip(per_step[residual], per_step["standard"])]
+                    over = f"{100 * statistics.median(pairs):+7.1f}%"
+                    if residual != "standard":
+                        spread = f"  pairs {100 * min(pairs):+.1f}..{100 * max(pairs):+.1f}%"
                 print(f"{layout:<8} {rc:<9} {residual:<9} | {t:>8.3f} {over} | {_mib(sv):>12} "
-                      f"{sv / max(std[1], 1):>6.3f} | {_mib(pk):>12} {pk / max(std[2], 1):>6.3f}")
-    print("overhead / ratio: AttnRes relative to the standard residual of the same layout and recompute setting; "
-          "saved = bytes a micro-batch's forward keeps for its backward (rank's chunks summed, worst rank).")
+                      f"{sv / max(std[1], 1):>6.3f} | {_mib(pk):>12} {pk / max(std[2], 1):>6.3f}{spread}")
+    print("overhead: median of the time-adjacent step pairs (attnres_i / standard_i - 1); ratio: AttnRes relative to "
+          "the standard residual of the same layout and recompute setting; saved = bytes a micro-batch's forward "
+          "keeps for its backward (rank's chunks summed, worst rank).")
 
 
 if __name__ == "__main__":

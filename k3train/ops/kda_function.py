@@ -9,13 +9,18 @@ form); per chunk of C tokens entered with state S (all batched over chunks and h
 
 Why a Function: autograd of the reference keeps ~10x the input bytes and, in the state fold, creates one
 index-backward node per chunk step whose zero-filled ``[NC,H,K,K]`` buffers make the backward quadratic in the
-chunk count. Here the forward saves only q, k, v, g, beta and the per-chunk entry states; the backward recomputes
-the decay factors, the two Gram matrices, the UT solve, W and U, runs the reverse fold
-``dS_c = M_c^T dS_{c+1} + (Gamma*Q - P W)_c^T dO_c`` (one K x K x V matmul per step, on contiguous step-major
-slices: no indexing, no autograd), and then gets every intra-chunk gradient from a few batched matmuls over all
-chunks. The log-decay gradient uses ``dG = X * dX - Y * dY`` for each Gram (exact: the Grams depend on G only
-through differences), then ``dg = reverse cumsum(dG)``. The UT inverse T is formed explicitly (one batched
-triangular solve against I), so W, U and their gradients (``T^T dW``, ``dA = -T^T dY [W | Uw]^T``) are GEMMs.
+chunk count. Here the forward keeps the inputs (in the chunk layout when they are already in the compute dtype), the
+per-chunk entry states and, where the total stays within ``KEEP_LIMIT`` = 3x the input bytes, what is costly to
+rebuild: P, the UT inverse T, [W | Uw] and the transition M (2.75x in all for fp32 at K = V = 2C; bf16 inputs would
+reach 4.5x, so they keep only inputs and entry states, 2x; the reference keeps 9.9x). The backward then rebuilds
+only the decay factors and sub-tile operands (elementwise work that costs more bytes to keep than time to redo)
+and the effective query (else everything but the two value products), runs
+the reverse fold ``dS_c = M_c^T dS_{c+1} + (Gamma*Q - P W)_c^T dO_c`` (one K x K x V matmul per step, on contiguous
+step-major slices: no indexing, no autograd), and then gets every intra-chunk gradient from a few batched matmuls
+over all chunks. The log-decay gradient uses ``dG = X * dX - Y * dY`` for each Gram (exact: the Grams depend on G
+only through differences), then ``dg = reverse cumsum(dG)``. The UT inverse T is formed explicitly (one batched
+triangular solve against I), so W, U and their gradients are GEMMs, reassociated through the pseudo-values
+``U = Uw - W S``: ``d(bV) = T^T dU``, ``-d(b Gamma K) = d(bV) S^T``, ``dA = -d(bV) U^T``.
 The only host reads are of the document lengths (``cu_seqlens``, to plan the chunk layout), never of tensor values.
 
 Sub-tiling (16 tokens) as in the reference; both Grams share Y = K, so their rows are stacked and each tile
@@ -42,7 +47,7 @@ from torch.autograd.function import once_differentiable
 from .kda_chunk import SUB_TILE, _lengths
 from .kda_naive import check_kda_inputs, compute_dtype
 
-__all__ = ["chunk_kda_function", "dense_diagonal_ok", "SUB_TILE"]
+__all__ = ["chunk_kda_function", "dense_diagonal_ok", "KEEP_LIMIT", "SUB_TILE"]
 
 # Largest sub-tile log-decay span for the dense diagonal tiles (factors within exp(+-span/2)); as the reference.
 _DENSE_SPAN_MAX = {torch.float32: 80.0, torch.float64: 600.0}
@@ -149,6 +154,19 @@ def _bmm_add(c: Tensor, a: Tensor, b: Tensor, alpha: float = 1.0) -> Tensor:
     return out.view(*c.shape)
 
 
+def _bmm_add_(c: Tensor, a: Tensor, b: Tensor, alpha: float = 1.0) -> Tensor:
+    """``c += alpha * a @ b`` in place (``c`` a contiguous temporary), one batched GEMM with no copy of ``c``."""
+    c.view(-1, *c.shape[-2:]).baddbmm_(a.flatten(0, -3), b.flatten(0, -3), alpha=alpha)
+    return c
+
+
+def _bmm(a: Tensor, b: Tensor, alpha: float) -> Tensor:
+    """``alpha * a @ b`` over any leading dims as one batched GEMM (no separate scaling pass)."""
+    a3, b3 = a.flatten(0, -3), b.flatten(0, -3)
+    out = torch.baddbmm(a3.new_empty(a3.shape[0], a3.shape[1], b3.shape[2]), a3, b3, beta=0.0, alpha=alpha)
+    return out.view(*a.shape[:-1], b.shape[-1])
+
+
 @dataclass
 class _Tiles:
     """Sub-tile operands shared by the two Grams (rows [b*K ; Q] per tile, columns K)."""
@@ -173,7 +191,6 @@ class _Intra:
     esuf: Tensor         # [..., C, K] exp(G_C - G)
     kd: Tensor           # [..., C, K] K * exp(G_C - G)
     kb: Tensor           # [..., C, K] b * K
-    A: Tensor            # [..., C, C] strictly lower
     Tinv: Tensor         # [..., C, C] (I + A)^-1
     P: Tensor            # [..., C, C] lower incl. diagonal
     sol: Tensor          # [..., C, K+V] [W | Uw], the UT solve's output
@@ -184,16 +201,42 @@ class _Intra:
     tiles: _Tiles
 
 
+@dataclass
+class _Kept:
+    """What the forward may keep for the backward besides the inputs and the entry states (the costly part to
+    rebuild: both Gram assemblies, the triangular solve and two of the GEMMs): 1.25x the input bytes for fp32 at
+    K = V = 2C, so autograd keeps 2.75x in all. Kept only within ``KEEP_LIMIT`` (bf16 inputs: it would be 4.5x)."""
+    P: Tensor            # [..., C, C]
+    Tinv: Tensor         # [..., C, C]
+    sol: Tensor          # [..., C, K+V]
+    Mn: Tensor           # [..., K, K]
+
+
+# Largest (autograd-saved bytes / input bytes) for which the forward keeps its solve (issue 13's bound).
+KEEP_LIMIT = 3.0
+
+
+def _keep_fits(ins: tuple[Tensor, ...], kept_ins: tuple[Tensor, ...], entries: Tensor, it: _Intra) -> bool:
+    """Whether the kept inputs (``kept_ins``: the inputs or their padded chunk copies) + entry states + the
+    :class:`_Kept` tensors fit in ``KEEP_LIMIT`` x the input bytes. Shapes and dtypes only."""
+    nbytes = lambda x: x.numel() * x.element_size()  # noqa: E731
+    saved = sum(nbytes(x) for x in (*kept_ins, entries, it.P, it.Tinv, it.sol, it.Mn))
+    return saved <= KEEP_LIMIT * sum(nbytes(x) for x in ins)
+
+
 def _exp(x: Tensor, floor: float, *, inplace: bool = True) -> Tensor:
     """``exp(max(x, -floor))`` (in place on ``x`` when it is a temporary); see ``_EXP_FLOOR``."""
     return (x.clamp_min_(-floor) if inplace else x.clamp_min(-floor)).exp_()
 
 
-def _intra(q: Tensor, k: Tensor, v: Tensor, g: Tensor, b: Tensor, dense: bool, with_values: bool = False
-           ) -> tuple[_Intra, tuple[Tensor, Tensor] | None]:
+def _intra(q: Tensor, k: Tensor, v: Tensor, g: Tensor, b: Tensor, dense: bool, kept: _Kept | None = None,
+           values: bool = True) -> tuple[_Intra, tuple[Tensor, Tensor] | None]:
     """Decay factors, both Grams, the UT solve and the chunk transition, batched over [NC, H].
 
-    ``with_values`` (the forward) also returns ``(H = Kd^T Uw, P Uw)``.
+    The forward (``kept`` None, ``values``) builds everything and also returns ``(H = Kd^T Uw, P Uw)``. A backward
+    given the forward's :class:`_Kept` rebuilds only the decay factors and sub-tile operands (elementwise work that
+    would cost more bytes to keep than to recompute) and the effective query; one without it rebuilds everything
+    but the two value products (``values=False``).
     """
     cd = q.dtype
     fl = _EXP_FLOOR[cd]
@@ -231,16 +274,23 @@ def _intra(q: Tensor, k: Tensor, v: Tensor, g: Tensor, b: Tensor, dense: bool, w
         torch.mul(kbt, er, out=xd[..., 0, :, :])
         torch.mul(qt, er, out=xd[..., 1, :, :])
         kdg = kt / er                                                     # K * exp(m - Gl)
-        diag = torch.matmul(xd.flatten(-3, -2), kdg.transpose(-1, -2))   # [..., n, 32, 16]
-        diag = torch.where(_const("diag_keep", ST, torch.bool, dev), diag, 0.0)
     else:
         expo = torch.matmul(_const("span", ST, cd, dev), gt).unflatten(-2, (ST, ST))        # [..., n, i, j, K]
         fac = _exp(expo, fl).mul_(_const("revcum", ST, cd, dev).T[:, :, None])              # keep j <= i
         xd = torch.stack([kbt, qt], -3)
         kdg = fac * kt[..., None, :, :]                                                    # [..., n, i, j, K]
+    tiles = _Tiles(rowf, esufl, ehop, xs, ks, xd, kdg, er, fac, dense)
+    if kept is not None:                                                  # backward: the rest was kept
+        W, Uw = kept.sol[..., :K], kept.sol[..., K:]
+        qn = torch.matmul(kept.P, W).addcmul_(q, gam, value=-1.0)
+        it = _Intra(q, k, v, b, gam, esuf, kd, kb, kept.Tinv, kept.P, kept.sol, W, Uw, kept.Mn, qn, tiles)
+        return it, None
+    if dense:
+        diag = torch.matmul(xd.flatten(-3, -2), kdg.transpose(-1, -2))   # [..., n, 32, 16]
+        diag = torch.where(_const("diag_keep", ST, torch.bool, dev), diag, 0.0)
+    else:
         diag = torch.matmul(xd.transpose(-3, -2), kdg.transpose(-1, -2))                  # [..., n, i, 2, j]
         diag = diag.transpose(-3, -2).flatten(-3, -2) * _const("diag_keep", ST, cd, dev)  # [..., n, 32, 16]
-    tiles = _Tiles(rowf, esufl, ehop, xs, ks, xd, kdg, er, fac, dense)
     A = k.new_zeros(*lead, C, C)
     P = k.new_zeros(*lead, C, C)
     d2 = diag.unflatten(-2, (2, ST))                                      # [..., n, 2, 16, 16]
@@ -255,16 +305,16 @@ def _intra(q: Tensor, k: Tensor, v: Tensor, g: Tensor, b: Tensor, dense: bool, w
     torch.mul(v, b[..., None], out=rhs[..., K:])
     # explicit inverse (one triangular solve against I, then GEMMs; reused by the backward as T^T)
     Tinv = torch.linalg.solve_triangular(A, _const("eye", C, cd, dev).expand_as(A), upper=False, unitriangular=True)
+    del A
     sol = torch.matmul(Tinv, rhs)
     W, Uw = sol[..., :K], sol[..., K:]
-    # with_values (forward): one GEMM each for Kd^T [W | Uw] (-> M, H) and P [W | Uw] (-> P W, P Uw)
-    kd_sol = torch.matmul(kd.transpose(-1, -2), sol if with_values else W)
-    Mn = kd_sol[..., :K]
+    kdT = kd.transpose(-1, -2)
+    Mn = torch.matmul(kdT, W)                                             # own storage: the backward keeps it
     Mn.diagonal(dim1=-2, dim2=-1).sub_(gam[..., -1, :])
-    p_sol = torch.matmul(P, sol if with_values else W)
+    p_sol = torch.matmul(P, sol if values else W)                         # P [W | Uw] in one GEMM
     qn = torch.addcmul(p_sol[..., :K], q, gam, value=-1.0)
-    it = _Intra(q, k, v, b, gam, esuf, kd, kb, A, Tinv, P, sol, W, Uw, Mn, qn, tiles)
-    return it, (kd_sol[..., K:], p_sol[..., K:]) if with_values else None
+    it = _Intra(q, k, v, b, gam, esuf, kd, kb, Tinv, P, sol, W, Uw, Mn, qn, tiles)
+    return it, (torch.matmul(kdT, Uw), p_sol[..., K:]) if values else None
 
 
 def _diag_tiles(L: Tensor, n: int) -> Tensor:
@@ -350,45 +400,58 @@ def _fold_backward(Mn: Tensor, R: Tensor, lay: _StepLayout, d_final: Tensor) -> 
 class _ChunkKDA(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, s0: Tensor | None,
-                scale: float, lay: _StepLayout, chunk: int, dense: bool, n_seq: int) -> tuple[Tensor, Tensor]:
+                scale: float, lay: _StepLayout, chunk: int, dense: bool, n_seq: int, keep_solve: bool | None
+                ) -> tuple[Tensor, Tensor]:
         cd = compute_dtype(q.dtype)
         H, K, Vd = k.shape[2], k.shape[3], v.shape[3]
-        qc, kc, vc, gc, bc = (_to_chunks(x, lay, chunk, cd) for x in (q, k, v, g, beta))
-        it, (Hs, p_uw) = _intra(qc.mul_(scale), kc, vc, gc, bc, dense, with_values=True)
+        ins = (q, k, v, g, beta)
+        qc, kc, vc, gc, bc = (_to_chunks(x, lay, chunk, cd) for x in ins)
+        it, (Hs, p_uw) = _intra(qc.mul_(scale), kc, vc, gc, bc, dense)
         S0 = s0.to(cd) if s0 is not None else q.new_zeros(n_seq, H, K, Vd, dtype=cd)
         entries, final = _fold_forward(it.Mn, Hs, lay, S0)
         o = _bmm_add(p_uw, it.qn, entries, alpha=-1.0)
-        ctx.save_for_backward(q, k, v, g, beta, entries)
-        ctx.meta = (scale, lay, chunk, dense, n_seq, s0.dtype if s0 is not None else None)
+        # Inputs already in the compute dtype are kept in the chunk layout (the same bytes as the inputs, and the
+        # backward skips five gathers); lower-precision inputs are kept as given (the chunk copies would be fp32).
+        kept_ins = (qc, kc, vc, gc, bc) if all(x.dtype == cd for x in ins) else ins
+        keep = keep_solve if keep_solve is not None else _keep_fits(ins, kept_ins, entries, it)
+        extra = (it.P, it.Tinv, it.sol, it.Mn) if keep else ()
+        ctx.save_for_backward(*kept_ins, entries, *extra)
+        ctx.meta = (scale, lay, chunk, dense, n_seq, s0.dtype if s0 is not None else None, kept_ins is not ins,
+                    [(x.shape, x.dtype) for x in ins])
         return _from_chunks(o, lay, v.shape, q.dtype), final
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, d_o: Tensor | None, d_final: Tensor | None) -> tuple[Tensor | None, ...]:
-        q, k, v, g, beta, S = ctx.saved_tensors
-        scale, lay, chunk, dense, n_seq, s0_dtype = ctx.meta
+        saved = ctx.saved_tensors
+        ins, S, extra = saved[:5], saved[5], saved[6:]
+        scale, lay, chunk, dense, n_seq, s0_dtype, chunked, in_meta = ctx.meta
         cd = S.dtype
-        qc, kc, vc, gc, bc = (_to_chunks(x, lay, chunk, cd) for x in (q, k, v, g, beta))
-        it, _ = _intra(qc.mul_(scale), kc, vc, gc, bc, dense)
+        if chunked:
+            qc, kc, vc, gc, bc = ins                                      # q already scaled
+        else:
+            qc, kc, vc, gc, bc = (_to_chunks(x, lay, chunk, cd) for x in ins)
+            qc.mul_(scale)
+        it, _ = _intra(qc, kc, vc, gc, bc, dense, _Kept(*extra) if extra else None, values=False)
         dO = _to_chunks(d_o, lay, chunk, cd) if d_o is not None else torch.zeros_like(it.Uw)
         d_final = d_final.to(cd) if d_final is not None else S.new_zeros(n_seq, *S.shape[1:])
-        R = torch.matmul(it.qn.transpose(-1, -2), dO).neg_()              # (Gamma Q - P W)^T dO  [NC,H,K,V]
+        R = _bmm(it.qn.transpose(-1, -2), dO, alpha=-1.0)                  # (Gamma Q - P W)^T dO  [NC,H,K,V]
         dSx, dS0 = _fold_backward(it.Mn, R, lay, d_final)                  # exit-state grads per chunk
         St = S.transpose(-1, -2)
         U = _bmm_add(it.Uw, it.W, S, alpha=-1.0)                          # pseudo-values Uw - W S
-        dU = _bmm_add(torch.matmul(it.P.transpose(-1, -2), dO), it.kd, dSx)
+        dU = _bmm_add_(torch.matmul(it.P.transpose(-1, -2), dO), it.kd, dSx)
         dP = torch.matmul(dO, U.transpose(-1, -2)).tril_()
         dQg = torch.matmul(dO, St)
         dKd = torch.matmul(U, dSx.transpose(-1, -2))
-        Tt = it.Tinv.transpose(-1, -2)                                   # [W | Uw] = T [b G K | b V]
-        dKn = torch.matmul(Tt, torch.matmul(dU, St))                      # -d(b G K)   (dW = -dU S^T)
-        dVb = torch.matmul(Tt, dU)                                        # d(b V)
-        dA = _bmm_add(torch.matmul(dKn, it.W.transpose(-1, -2)), dVb, it.Uw.transpose(-1, -2), -1.0).tril_(-1)
+        # [W | Uw] = T [b G K | b V] and U = Uw - W S, so with dUw = dU and dW = -dU S^T:
+        dVb = torch.matmul(it.Tinv.transpose(-1, -2), dU)                # d(b V) = T^T dU
+        dKn = torch.matmul(dVb, St)                                       # -d(b G K) = T^T dU S^T = dVb S^T
+        dA = _bmm(dVb, U.transpose(-1, -2), alpha=-1.0).tril_(-1)         # -T^T (dUw Uw^T + dW W^T) = -dVb U^T
         dkb, dq, dk = _gram_backward(dA, dP, it)
         # Collect per (token, channel): E = d(b K) in total, then dq, dk and (dG = q dq - k dk + 2 bK E, exact
         # because every Gram / decay factor depends on G only through differences and Gamma, Gamma_C, Kd).
         E = torch.addcmul(dkb, it.gam, dKn, value=-1.0)
-        dq.addcmul_(it.gam, dQg)
+        dq = torch.addcmul(dq, it.gam, dQg)                               # contiguous (dq was a view)
         dk.addcmul_(it.b[..., None], E).addcmul_(it.esuf, dKd)
         dG = it.q * dq
         dG.addcmul_(it.k, dk, value=-1.0).addcmul_(it.kb, E, value=2.0)
@@ -396,16 +459,17 @@ class _ChunkKDA(torch.autograd.Function):
         dg = torch.matmul(_const("revcum", dG.shape[-2], cd, dG.device), dG)      # dg_t = sum_{i >= t} dG_i
         db = (it.k * E).sum(-1) + (it.v * dVb).sum(-1)
         dv = dVb.mul_(it.b[..., None])
-        outs = [_from_chunks(x, lay, y.shape, y.dtype)
-                for x, y in ((dq.mul_(scale), q), (dk, k), (dv, v), (dg, g), (db, beta))]
+        outs = [_from_chunks(x, lay, shape, dtype)
+                for x, (shape, dtype) in zip((dq.mul_(scale), dk, dv, dg, db), in_meta)]
         ds0 = dS0.to(s0_dtype) if s0_dtype is not None else None
-        return (*outs, ds0, None, None, None, None, None)
+        return (*outs, ds0, None, None, None, None, None, None)
 
 
 def chunk_kda_function(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float | None = None,
                        initial_state: Tensor | None = None, output_final_state: bool = False,
                        cu_seqlens: Tensor | None = None, chunk_size: int = 64,
-                       g_lower_bound: float | None = None) -> tuple[Tensor, Tensor | None]:
+                       g_lower_bound: float | None = None, keep_solve: bool | None = None
+                       ) -> tuple[Tensor, Tensor | None]:
     """Chunkwise KDA with a hand-written backward; signature and semantics of the reference ``chunk_kda``.
 
     Args:
@@ -414,6 +478,9 @@ def chunk_kda_function(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
         chunk_size: a multiple of 16.
         g_lower_bound: a bound the gate guarantees (every g >= it; K3's lower-bounded gate: ``gate_lower_bound``),
             or None when there is none (softplus gate). Picks the diagonal sub-tile path; values are never read.
+        keep_solve: keep P, the UT inverse, [W | Uw] and M for the backward (faster) instead of rebuilding them;
+            None (default): keep them when autograd's saved bytes stay within ``KEEP_LIMIT`` x the input bytes
+            (from the shapes and dtypes alone: fp32 at K = V >= 32 with C = 64 keeps, bf16 inputs do not).
     Returns:
         ``(o [B,T,H,V] in q's dtype, final_state [N,H,K,V] fp32 (float64 for float64) or None)``.
     Single-device op; no process group.
@@ -427,5 +494,6 @@ def chunk_kda_function(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     scale = K ** -0.5 if scale is None else scale
     lay = _step_layout(_lengths(B, T, cu_seqlens), chunk_size, H, q.device)
     dense = dense_diagonal_ok(g_lower_bound, q.dtype)
-    o, final = _ChunkKDA.apply(q, k, v, g, beta, initial_state, float(scale), lay, chunk_size, dense, n_seq)
+    o, final = _ChunkKDA.apply(q, k, v, g, beta, initial_state, float(scale), lay, chunk_size, dense, n_seq,
+                               keep_solve)
     return o, (final if output_final_state else None)
