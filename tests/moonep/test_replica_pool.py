@@ -71,8 +71,10 @@ def _run(rank: int, ws: int, recompute: bool) -> None:
             (outs[1] * probes[1][sl]).sum().backward()
         assert_collectives_match(trace)
         # step 0: identical parameters; step 1: parameters equal up to the rounding of differently ordered
-        # gradient sums, which this model (sharp SiTU, RMSNorm on small latents) amplifies ~100x
-        atol, rtol = (ATOL, 1e-5) if step == 0 else (1e-4, 1e-4)
+        # gradient sums, which this model (sharp SiTU, RMSNorm on small latents) amplifies ~100x (on a 2-core host
+        # without AVX-512, one w_gate element of 1024 differs by 2.1e-4 / 3.4e-4 relative; a wrong replica
+        # gradient is off by O(1))
+        atol, rtol = (ATOL, 1e-5) if step == 0 else (5e-4, 1e-3)
         for i, out in enumerate(outs):
             torch.testing.assert_close(out, ref(xs[i])[sl].detach(), atol=atol, rtol=rtol, msg=f"output {i}")
             torch.testing.assert_close(x_loc[i].grad, x_ref[i].grad[sl], atol=atol, rtol=rtol)
@@ -87,7 +89,7 @@ def _run(rank: int, ws: int, recompute: bool) -> None:
                 want = ref_p[name].grad[rank * n:(rank + 1) * n]
             else:
                 want = ref_p[name].grad
-            torch.testing.assert_close(grad, want, atol=atol, rtol=rtol, msg=name)
+            torch.testing.assert_close(grad, want, atol=atol, rtol=rtol, msg=lambda m: f"step {step} {name}: {m}")
             p.grad.copy_(grad)  # the summed gradient, so both optimizers take the same step
         ref_opt.step()
         opt.step()
