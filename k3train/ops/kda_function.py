@@ -412,11 +412,12 @@ class _ChunkKDA(torch.autograd.Function):
         o = _bmm_add(p_uw, it.qn, entries, alpha=-1.0)
         # Inputs already in the compute dtype are kept in the chunk layout (the same bytes as the inputs, and the
         # backward skips five gathers); lower-precision inputs are kept as given (the chunk copies would be fp32).
-        kept_ins = (qc, kc, vc, gc, bc) if all(x.dtype == cd for x in ins) else ins
+        chunked = all(x.dtype == cd for x in ins)
+        kept_ins = (qc, kc, vc, gc, bc) if chunked else ins
         keep = keep_solve if keep_solve is not None else _keep_fits(ins, kept_ins, entries, it)
         extra = (it.P, it.Tinv, it.sol, it.Mn) if keep else ()
         ctx.save_for_backward(*kept_ins, entries, *extra)
-        ctx.meta = (scale, lay, chunk, dense, n_seq, s0.dtype if s0 is not None else None, kept_ins is not ins,
+        ctx.meta = (scale, lay, chunk, dense, n_seq, s0.dtype if s0 is not None else None, chunked,
                     [(x.shape, x.dtype) for x in ins])
         return _from_chunks(o, lay, v.shape, q.dtype), final
 
