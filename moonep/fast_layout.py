@@ -9,8 +9,9 @@ host-built index tensors; here:
 - the one synchronisation is :func:`counts_to_host`: the all-gathered ``[R, E]`` counts (``R*E`` ints) come to
   the host once; everything the all-to-all needs on the host (split sizes, group sizes, replica lists) is derived
   from them there, so nothing else ever waits for the device;
-- the sequential part of the plan (at most ``R - 1`` receiver moves on ``[R]`` balances, then per donor group a
-  greedy over its ``n`` experts and its quotas) runs on Python lists of that size: it is inherently sequential
+- the sequential part of the plan (at most ``R - 1`` receiver moves, each the largest surplus against the
+  largest deficit, on two heaps of ``[R]`` balances; then per donor group a greedy over its ``n`` experts and its
+  quotas) runs on Python heaps and lists of that size: it is inherently sequential
   (each move depends on the previous argmax), and on lists it costs microseconds where the same loop as device
   kernels would be over a thousand tiny launches;
 - the token split is only evaluated where it is not trivial: an expert computed on its owner alone (every
@@ -18,13 +19,18 @@ host-built index tensors; here:
   ``[R, replicated]`` and ``[R, hosted]`` arrays;
 - the token-scale index tensors are built on the device WITHOUT sorting: the routes sorted by expert (computed
   before the plan, overlapped with the count all-gather) split into *segments* (expert, destination) that are
-  contiguous there; each segment moves as a block to its place in the send buffer (``send_order`` is one
-  ``repeat_interleave`` + one scatter), and the received ``(source, group)`` blocks move as blocks into compute
-  order (``recv_perm`` is one ``repeat_interleave``). All small per-segment arrays travel to the device in one
-  packed non-blocking copy.
+  contiguous there; each segment moves as a block to its place in the send buffer, and the received
+  ``(source, group)`` blocks move as blocks into compute order. A block move's target index is a running sum
+  (1 inside a block, a jump at each block's start): ``ones`` + one small ``index_copy_`` + an in-place
+  ``cumsum_``, then one ``scatter_`` for ``send_order``. All small per-segment arrays travel to the device in one
+  packed non-blocking copy;
+- the send side needs no search: a segment's place is its destination's offset plus, for an own expert, the
+  destination's earlier own experts, for a replica, the destination's own total plus its earlier slots (the
+  plan returns its moves in (receiver, slot) order).
 """
 from __future__ import annotations
 
+import heapq
 from typing import Sequence
 
 import numpy as np
@@ -41,27 +47,35 @@ def counts_to_host(gathered: torch.Tensor, num_ranks: int) -> np.ndarray:
 
 def plan_with_takes(counts: Sequence[int] | np.ndarray, num_ranks: int,
                     moonep: bool) -> tuple[Plan, np.ndarray]:
-    """The plan of :func:`moonep.planner.make_plan` (identical, field by field) and its moves as ``takes[M, 3]``
-    rows ``(expert, receiving rank, entries)``: entries of a home-group expert computed on a foreign rank."""
+    """The plan of :func:`moonep.planner.make_plan` (identical, field by field) and its moves as ``takes[M, 4]``
+    rows ``(expert, receiving rank, entries, replica slot at the receiver)``: entries of a home-group expert
+    computed on a foreign rank, ordered by (receiver, expert), i.e. by (receiver, slot)."""
     c = _check(counts, num_ranks)
     if not moonep:
-        return plan_static(c, num_ranks), np.zeros((0, 3), dtype=np.int64)
+        return plan_static(c, num_ranks), np.zeros((0, 4), dtype=np.int64)
     R, E = num_ranks, c.size
     n = E // R
     cap = balanced_capacity(int(c.sum()), R)
-    b = (c.reshape(R, n).sum(1) - cap).tolist()
+    bal = (c.reshape(R, n).sum(1) - cap).tolist()
+    # receivers, as the reference's argmax/argmin loop: the largest surplus h covers the largest deficit u (lowest
+    # index on ties, which the heaps' (value, index) order gives). Every balance that changes is the one just
+    # popped, so the heaps never hold a stale entry; the balances sum to zero, so a surplus implies a deficit.
+    surplus = [(-x, i) for i, x in enumerate(bal) if x > 0]
+    deficit = [(x, i) for i, x in enumerate(bal) if x < 0]
+    heapq.heapify(surplus)
+    heapq.heapify(deficit)
     home = [-1] * R
     quotas: list[list[tuple[int, int]]] = [[] for _ in range(R)]  # quotas[h]: (receiver u, entries)
-    while True:  # receivers: as the reference, max()/index() pick the lowest index on ties
-        top = max(b)
-        if top <= 0:
-            break
-        h, low = b.index(top), min(b)
-        u = b.index(low)
+    while surplus:
+        neg_top, h = heapq.heappop(surplus)
+        low, u = heapq.heappop(deficit)
         quotas[h].append((u, -low))
-        b[h] = top + low
-        b[u] = 0
         home[u] = h
+        rest = low - neg_top
+        if rest > 0:
+            heapq.heappush(surplus, (-rest, h))
+        elif rest < 0:
+            heapq.heappush(deficit, (rest, h))
     takes: list[tuple[int, int, int]] = []
     for h in range(R):
         if not quotas[h]:
@@ -84,25 +98,44 @@ def plan_with_takes(counts: Sequence[int] | np.ndarray, num_ranks: int,
             rem[j] -= take
             q[i] -= take
     t = np.array(takes, dtype=np.int64).reshape(-1, 3)
+    t = t[np.lexsort((t[:, 0], t[:, 1]))]  # by (receiver, expert): slot order
+    per_host = np.bincount(t[:, 1], minlength=R)
+    ends = np.cumsum(per_host)
+    slot = np.arange(t.shape[0]) - np.repeat(ends - per_host, per_host)
     alloc = np.zeros((E, R), dtype=np.int64)
-    alloc[np.arange(E), np.arange(E) // n] = c
-    alloc[t[:, 0], t[:, 1]] += t[:, 2]  # (expert, receiver) pairs are distinct
-    np.subtract.at(alloc, (t[:, 0], t[:, 0] // n), t[:, 2])
-    hosted: list[list[int]] = [[] for _ in range(R)]
-    for e, u in zip(t[:, 0].tolist(), t[:, 1].tolist()):
-        hosted[u].append(e)
-    replicas = tuple(tuple(sorted(x)) for x in hosted)
-    return Plan(E, R, c, cap, alloc, replicas, np.array(home, dtype=np.int64)), t
+    experts = np.arange(E)
+    alloc[experts, experts // n] = c - np.bincount(t[:, 0], weights=t[:, 2], minlength=E).astype(np.int64)
+    alloc[t[:, 0], t[:, 1]] = t[:, 2]  # (expert, receiver) pairs are distinct, and a receiver is never the owner
+    es, bounds = t[:, 0].tolist(), [0, *ends.tolist()]
+    replicas = tuple(tuple(es[bounds[d]:bounds[d + 1]]) for d in range(R))
+    return (Plan(E, R, c, cap, alloc, replicas, np.array(home, dtype=np.int64)),
+            np.concatenate([t, slot[:, None]], axis=1))
 
 
 def _overlap(a_lo: np.ndarray, a_hi: np.ndarray, b_lo: np.ndarray, b_hi: np.ndarray) -> np.ndarray:
-    return np.clip(np.minimum(a_hi, b_hi) - np.maximum(a_lo, b_lo), 0, None)
+    return np.maximum(np.minimum(a_hi, b_hi) - np.maximum(a_lo, b_lo), 0)
 
 
 def _excl_cumsum(x: np.ndarray) -> np.ndarray:
     out = np.zeros_like(x)
     np.cumsum(x[:-1], out=out[1:])
     return out
+
+
+def _step_values(delta: np.ndarray) -> np.ndarray:
+    """The running sum's increment at each block's first entry: ``1 + delta[b] - delta[b - 1]`` (``delta[-1] = 1``,
+    so that the first entry is ``delta[0]``)."""
+    prev = np.empty_like(delta)
+    prev[:1] = 1
+    prev[1:] = delta[:-1]
+    return 1 + delta - prev
+
+
+def _running(size: int, starts: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """``[size]``: ``j + delta(block of j)`` from the blocks' first entries and :func:`_step_values`."""
+    inc = torch.ones(size, dtype=torch.int64, device=starts.device)
+    inc.index_copy_(0, starts, steps)
+    return inc.cumsum_(0)
 
 
 def fast_rank_layout(plan: Plan, takes: np.ndarray, counts_by_src: np.ndarray, me: int,
@@ -118,38 +151,42 @@ def fast_rank_layout(plan: Plan, takes: np.ndarray, counts_by_src: np.ndarray, m
     device = by_expert.device
     n_routes = by_expert.numel()
     owner = np.arange(E) // n
-    rep = np.unique(takes[:, 0])  # experts computed on more than one rank
-    is_rep = np.zeros(E, dtype=bool)
-    is_rep[rep] = True
-    a_hi = np.cumsum(plan.alloc[rep], 1)  # [m, R] destination intervals of the replicated experts
-    a_lo = a_hi - plan.alloc[rep]
-    p_hi = np.cumsum(cbs[:, rep], 0)  # [R, m] source intervals
-    p_lo = p_hi - cbs[:, rep]
-    # replica slot of (expert, host): keys expert * R + host, sorted
-    slot_keys = np.array([e * R + d for d in range(R) for e in plan.replicas[d]], dtype=np.int64)
-    slot_vals = np.array([s for d in range(R) for s in range(len(plan.replicas[d]))], dtype=np.int64)
-    key_order = np.argsort(slot_keys)
-    slot_keys, slot_vals = slot_keys[key_order], slot_vals[key_order]
+    t_e, t_d = takes[:, 0], takes[:, 1]
+    is_rep = np.bincount(t_e, minlength=E) > 0  # experts computed on more than one rank
+    rep = np.flatnonzero(is_rep)
+    rep_of = np.cumsum(is_rep) - 1  # expert -> its row among `rep` (where is_rep)
+    alloc_rep = plan.alloc[rep]
+    a_hi = np.cumsum(alloc_rep, 1)  # [m, R] destination intervals of the replicated experts
+    a_lo = a_hi - alloc_rep
+    c_rep = cbs[:, rep]
+    p_hi = np.cumsum(c_rep, 0)  # [R, m] source intervals
+    p_lo = p_hi - c_rep
 
-    # ---- send side: segments (expert, destination) in expert-major order = the order of `by_expert`
+    # ---- send side. The send buffer is destination-major; at destination d, d's own experts (local order) and
+    # then its replica slots. My entries of an expert go to its owner (all of them unless replicated); those of a
+    # replicated expert split over its hosts where my source interval meets their destination intervals.
     mine = cbs[me]
-    plain = np.flatnonzero(~is_rep & (mine > 0))
     ov = _overlap(p_lo[me][:, None], p_hi[me][:, None], a_lo, a_hi)  # [m, R] my entries of e going to d
-    ri, rd = np.nonzero(ov)
-    seg_e = np.concatenate([plain, rep[ri]])
-    seg_d = np.concatenate([owner[plain], rd])
-    seg_n = np.concatenate([mine[plain], ov[ri, rd]])
-    order = np.argsort(seg_e, kind="stable")
-    seg_e, seg_d, seg_n = seg_e[order], seg_d[order], seg_n[order]
-    seg_g = seg_e - seg_d * n  # own expert at d: its local index
-    foreign = seg_d != owner[seg_e]
-    if foreign.any():
-        seg_g[foreign] = n + slot_vals[np.searchsorted(slot_keys, seg_e[foreign] * R + seg_d[foreign])]
-    send_key_order = np.argsort(seg_d * (2 * n) + seg_g)  # (destination, group) pairs are distinct
-    send_start = np.empty_like(seg_n)
-    send_start[send_key_order] = _excl_cumsum(seg_n[send_key_order])
-    send_delta = send_start - _excl_cumsum(seg_n)
-    send_splits = np.bincount(seg_d, weights=seg_n, minlength=R).astype(np.int64)
+    own_n = mine.copy()
+    own_n[rep] = ov[np.arange(rep.size), owner[rep]]
+    foreign_n = ov[rep_of[t_e], t_d]  # takes are in (receiver, slot) order: the send order within a receiver
+    own_by_d = own_n.reshape(R, n)
+    own_tot = own_by_d.sum(1)
+    foreign_tot = np.bincount(t_d, weights=foreign_n, minlength=R).astype(np.int64)
+    send_splits = own_tot + foreign_tot
+    base = _excl_cumsum(send_splits)
+    own_start = (base[:, None] + np.cumsum(own_by_d, 1) - own_by_d).reshape(-1)
+    f_end = np.cumsum(foreign_n)
+    foreign_start = base[t_d] + own_tot[t_d] + f_end - foreign_n - (f_end - foreign_n)[np.searchsorted(t_d, t_d)]
+    # the same segments in the order of `by_expert`: expert-major, destination ascending; empty ones dropped
+    key = np.concatenate([np.arange(E) * R + owner, t_e * R + t_d])
+    seg_n = np.concatenate([own_n, foreign_n])
+    seg_start = np.concatenate([own_start, foreign_start])
+    order = np.argsort(key)
+    seg_n, seg_start = seg_n[order], seg_start[order]
+    keep = seg_n > 0
+    seg_n, seg_start = seg_n[keep], seg_start[keep]
+    send_delta = seg_start - _excl_cumsum(seg_n)
 
     # ---- receive side: the experts this rank computes (own, then replica slots) by source
     hosted = np.concatenate([np.arange(me * n, (me + 1) * n), np.array(plan.replicas[me], dtype=np.int64)])
@@ -167,26 +204,28 @@ def fast_rank_layout(plan: Plan, takes: np.ndarray, counts_by_src: np.ndarray, m
     offsets = np.concatenate([np.cumsum(group_counts[:n]), np.cumsum(group_counts[n:])])
 
     # ---- metrics: entries that stay on their source rank
-    local = int(cbs[owner[~is_rep], np.flatnonzero(~is_rep)].sum()) + int(_overlap(p_lo, p_hi, a_lo.T, a_hi.T).sum())
+    stay = cbs.reshape(R, R, n)[np.arange(R), np.arange(R)].reshape(-1)  # [E]: owner's own entries
+    local = int(stay.sum() - stay[rep].sum()) + int(_overlap(p_lo, p_hi, a_lo.T, a_hi.T).sum())
     cross = int(plan.counts.sum()) - local
 
-    # ---- device: one packed copy, then block moves
+    # ---- device: one packed copy, then block moves. A block move is a running sum: the target of entry j of
+    # a block is j + delta(block), so its increment is 1 inside a block and 1 + delta(b) - delta(b - 1) at block
+    # b's first entry (blocks are non-empty). ones + one small scatter + cumsum is far cheaper than
+    # repeat_interleave + add on a CPU, and on a GPU it is three kernels either way.
+    nz = blocks > 0
+    blocks, recv_delta = blocks[nz], recv_delta[nz]
     s, b = seg_n.size, blocks.size
-    packed = torch.from_numpy(np.concatenate([seg_n, send_delta, blocks, recv_delta, offsets]).astype(np.int64))
+    packed = torch.from_numpy(np.concatenate([_excl_cumsum(seg_n), _step_values(send_delta), _excl_cumsum(blocks),
+                                              _step_values(recv_delta), offsets]).astype(np.int64))
     packed = packed.to(device, non_blocking=True)
-    seg_n_t, send_delta_t = packed[:s], packed[s:2 * s]
-    blocks_t, recv_delta_t = packed[2 * s:2 * s + b], packed[2 * s + b:2 * s + 2 * b]
-    offsets_t = packed[2 * s + 2 * b:].to(torch.int32)
-    pos = torch.arange(n_routes, device=device) + torch.repeat_interleave(send_delta_t, seg_n_t,
-                                                                          output_size=n_routes)
-    send_order = torch.empty_like(by_expert)
-    send_order[pos] = by_expert
+    send_order = torch.empty_like(by_expert).scatter_(0, _running(n_routes, packed[:s], packed[s:2 * s]), by_expert)
     rows = int(recv_splits.sum())
-    recv_perm = torch.arange(rows, device=device) + torch.repeat_interleave(recv_delta_t, blocks_t, output_size=rows)
+    recv_perm = _running(rows, packed[2 * s:2 * s + b], packed[2 * s + b:2 * s + 2 * b])
+    offsets_t = packed[2 * s + 2 * b:].to(torch.int32)
 
     recvs = [WeightTransfer(e, int(owner[e]), me, sl) for sl, e in enumerate(plan.replicas[me])]
-    sends = [WeightTransfer(e, me, d, sl) for d in range(R) if plan.home[d] == me
-             for sl, e in enumerate(plan.replicas[d])]
+    homes = plan.home.tolist()
+    sends = [WeightTransfer(e, me, d, sl) for d in range(R) if homes[d] == me for sl, e in enumerate(plan.replicas[d])]
     return RankLayout(
         me=me, send_order=send_order, send_splits=send_splits.tolist(), recv_splits=recv_splits.tolist(),
         recv_perm=recv_perm, group_counts=group_counts.tolist(), own_rows=int(group_counts[:n].sum()),

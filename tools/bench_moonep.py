@@ -20,6 +20,7 @@ import argparse
 import os
 import sys
 import time
+import timeit
 from pathlib import Path
 
 import numpy as np
@@ -155,6 +156,12 @@ def bench_layout(args: argparse.Namespace) -> None:
                   f"{np.median(t_plan) * 1e3:>7.2f} {np.median(t_lay) * 1e3:>8.2f} | {np.median(t_ref) * 1e3:>9.2f} | "
                   f"{np.median(t_ref) / fast:>7.1f}x | {np.median(t_local) * 1e3:>10.2f}")
     print("goal: fast <= 2 ms per layer (E=896, R=64); repl = most replicas on one rank")
+    # the fast path is ~100 small numpy/torch calls and two short Python loops: its time scales with the host's
+    # per-call overhead more than with its FLOP/s, so the same code differs by 2x between hosts
+    py = min(timeit.repeat("sum(range(1000))", number=2000, repeat=5)) / 2000
+    npc = min(timeit.repeat("np.cumsum(a)", setup="import numpy as np; a = np.arange(64)", number=2000,
+                            repeat=5)) / 2000
+    print(f"host: sum(range(1000)) {py * 1e6:.1f} us, np.cumsum of 64 ints {npc * 1e6:.2f} us (per-call overhead)")
 
 
 # ------------------------------------------------------------------------------------------------------------------
