@@ -4,6 +4,7 @@
     .venv/bin/python tools/bench_attnres.py --bytes-only                      # only the (deterministic) bytes
     .venv/bin/python tools/bench_attnres.py --layouts single --steps 5 --train.seq_len=512
     .venv/bin/python tools/bench_attnres.py --aggregation                     # one aggregation: fused vs reference
+    .venv/bin/python tools/bench_attnres.py --layouts pp2vpp2 --recompute on --steps 8 --profile
 
 For each residual (attnres, standard), layout (``single``: one process; ``pp2vpp2``: two gloo processes, pp=2 x
 vpp=2, interleaved 1F1B) and ``parallel.recompute`` (off, on; ``model.attn_res_recompute`` as the config sets it),
@@ -16,7 +17,13 @@ on CPU:
   of the other are adjacent in time: the AttnRes overhead is the median over i of ``attnres_i / standard_i - 1``
   (K3 report: < 4% under PP; goal here <= 5%), with the range of those pair ratios beside it. The host drifts by
   several percent from one 30 s step to the next even when idle; pairing cancels the drift that is slower than a
-  pair. Timings need an idle machine.
+  pair. *Quartets* go one further: two consecutive pairs ran in opposite orders (B A, A B), so one ratio over the
+  four steps cancels a drift that is linear over them; the same is shown on the slowest rank's main-thread CPU
+  seconds, which leave out receive and scheduler waits. Timings need an idle machine.
+* ``--profile``: one more step of each residual under the torch profiler, and per rank the self CPU time of the
+  ops whose call counts differ between the two (the aggregations, their backward, the pre-norms they replace).
+  Every other op runs equally often on the same shapes in both, so this is the residual's own cost, free of the
+  host's drift (on one host the same op's time moved 10% between two adjacent steps).
 * saved bytes per micro-batch: storage bytes a micro-batch's forward leaves alive for its backward, booked by
   :class:`k3train.planning.live_bytes.LiveBytes` (the counter the memory estimator and ``tools/memory.py
   --measure`` use) -- live bytes after minus before each forward (each of the rank's chunks of micro-batch 0 in
@@ -115,7 +122,8 @@ def _instrument(runner: Any, saved: _Saved, norm: LossNorm) -> LossNorm:
     return _Norm()  # type: ignore[return-value]
 
 
-def run_rank(rank: int, world: int, cfgs: list[Any], steps: int, warmup: int) -> list[dict[str, Any]]:
+def run_rank(rank: int, world: int, cfgs: list[Any], steps: int, warmup: int,
+             profile: bool = False) -> list[dict[str, Any]]:
     """Build this rank's runner for each config (the residuals), time ``steps`` steps of each INTERLEAVED (step i
     of every config, in an order that alternates from step to step, so that the host's drift over minutes --
     +-15% between two idle runs of this bench when the residuals ran one after the other -- falls on both alike),
@@ -136,17 +144,19 @@ def run_rank(rank: int, world: int, cfgs: list[Any], steps: int, warmup: int) ->
             p.grad = None
         if world > 1:
             dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         runner.forward_backward(batches, norm)
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.thread_time() - c0
 
     times: list[list[float]] = [[] for _ in runs]
+    cpu: list[list[float]] = [[] for _ in runs]
     for i in range(warmup + steps):
         order = range(len(runs)) if i % 2 == 0 else reversed(range(len(runs)))
         for k in order:
-            t = step(k)
+            t, c = step(k)
             if i >= warmup:
                 times[k].append(t)
+                cpu[k].append(c)
     out = []
     for k, (runner, batches, norm, params) in enumerate(runs):
         lb = LiveBytes()
@@ -160,30 +170,63 @@ def run_rank(rank: int, world: int, cfgs: list[Any], steps: int, warmup: int) ->
             lb.reset_peak()
             runner.forward_backward(batches, n)
             peak = lb.peak - base
-        out.append({"rank": rank, "times": times[k], "saved_mb0": saved.by_mb.get(0, 0), "peak": peak})
+        out.append({"rank": rank, "times": times[k], "cpu": cpu[k], "saved_mb0": saved.by_mb.get(0, 0),
+                    "peak": peak, "ops": profile_ops(step, k) if profile else None})
     return out
 
 
-def _worker(rank: int, world: int, port: int, cfgs: list[Any], steps: int, warmup: int, q: Any) -> None:
+def profile_ops(step: Any, k: int) -> dict[str, Any]:
+    """One more step of config ``k`` under the torch profiler: ``{'step_s', 'ops': {op: (self CPU s, calls)}}``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t, _ = step(k)
+    return {"step_s": t, "ops": {e.key: (e.self_cpu_time_total / 1e6, e.count) for e in prof.key_averages()}}
+
+
+def op_overhead(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float, list[tuple[str, float]]]:
+    """The self CPU seconds of the work only one of two profiled steps does (``a`` minus ``b``):
+    ``(exclusive, shared, largest)``. *exclusive*: ops that only one of them calls (AttnRes's aggregation and its
+    backward against the standard residual's pre-norm); *shared*: ops both call but not equally often (the
+    aggregations' elementwise ops), estimated as the extra calls times the op's mean time per call in the two
+    steps. Ops called equally often do the same work on the same shapes in both (the residual changes none of the
+    layers' GEMMs, KDA or MoE), so their time differences are the host's drift and are left out."""
+    exclusive, shared, parts = 0.0, 0.0, {}
+    for key in set(a["ops"]) | set(b["ops"]):
+        (ta, ca), (tb, cb) = a["ops"].get(key, (0.0, 0)), b["ops"].get(key, (0.0, 0))
+        if ca == cb:
+            continue
+        if ca == 0 or cb == 0:
+            parts[key] = ta - tb
+            exclusive += ta - tb
+        else:
+            parts[key] = (ca - cb) * (ta + tb) / (ca + cb)
+            shared += parts[key]
+    return exclusive, shared, sorted(parts.items(), key=lambda kv: -abs(kv[1]))[:4]
+
+
+def _worker(rank: int, world: int, port: int, cfgs: list[Any], steps: int, warmup: int, profile: bool,
+            q: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=1800))
     try:
-        q.put(run_rank(rank, world, cfgs, steps, warmup))
+        q.put(run_rank(rank, world, cfgs, steps, warmup, profile))
     finally:
         dist.destroy_process_group()
 
 
-def run_layout(cfgs: list[Any], world: int, steps: int, warmup: int) -> list[list[dict[str, Any]]]:
+def run_layout(cfgs: list[Any], world: int, steps: int, warmup: int,
+               profile: bool = False) -> list[list[dict[str, Any]]]:
     """Per config: every rank's result (rank order)."""
     if world == 1:
-        return [[r] for r in run_rank(0, 1, cfgs, steps, warmup)]
+        return [[r] for r in run_rank(0, 1, cfgs, steps, warmup, profile)]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, cfgs, steps, warmup, q)) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, cfgs, steps, warmup, profile, q)) for r in range(world)]
     for p in procs:
         p.start()
     per_rank = sorted((q.get(timeout=3600) for _ in range(world)), key=lambda rs: rs[0]["rank"])
@@ -234,6 +277,12 @@ def bench_aggregation(cfg: Any, reps: int = 20) -> None:
               + f" {ms['ref. checkpointed'] / ms['fused']:>16.2f}x")
 
 
+def quartets(a: list[float], b: list[float]) -> list[float]:
+    """``(a_i + a_i+1) / (b_i + b_i+1) - 1`` over consecutive timed steps ``(0, 1), (2, 3), ...``: their two pairs
+    ran in opposite orders, so a drift that is linear over the four steps falls on both sides equally."""
+    return [(a[i] + a[i + 1]) / (b[i] + b[i + 1]) - 1 for i in range(0, len(a) - 1, 2)]
+
+
 def _mib(n: float) -> str:
     return f"{n / 2**20:.2f}"
 
@@ -247,6 +296,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="timed steps (median)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--bytes-only", action="store_true", help="no timed steps: only the saved / peak bytes")
+    ap.add_argument("--profile", action="store_true",
+                    help="one more step per residual under the torch profiler: the self CPU time of the ops whose "
+                         "call counts differ between the residuals, per rank (free of the host's drift)")
     ap.add_argument("--aggregation", action="store_true",
                     help="only time one AttnRes aggregation + pre-norm: fused vs the autograd reference")
     args, overrides = ap.parse_known_args()
@@ -270,9 +322,12 @@ def main() -> None:
         for rc in args.recompute:
             res = {}
             cfgs = [make_cfg(args.config, residual, pp, vpp, rc == "on", same) for residual in RESIDUALS]
-            per_step = {}
-            for residual, ranks in zip(RESIDUALS, run_layout(cfgs, pp, steps, warmup)):
+            per_step, per_cpu = {}, {}
+            profiles = {}
+            for residual, ranks in zip(RESIDUALS, run_layout(cfgs, pp, steps, warmup, args.profile)):
+                profiles[residual] = [r["ops"] for r in ranks]
                 per_step[residual] = [max(ts) for ts in zip(*(r["times"] for r in ranks))]   # slowest rank
+                per_cpu[residual] = [max(cs) for cs in zip(*(r["cpu"] for r in ranks))]
                 t = statistics.median(per_step[residual]) if steps else float("nan")
                 res[residual] = (t, max(r["saved_mb0"] for r in ranks), max(r["peak"] for r in ranks))
             std = res["standard"]
@@ -284,8 +339,27 @@ def main() -> None:
                     over = f"{100 * statistics.median(pairs):+7.1f}%"
                     if residual != "standard":
                         spread = f"  pairs {100 * min(pairs):+.1f}..{100 * max(pairs):+.1f}%"
+                        quart = quartets(per_step[residual], per_step["standard"])
+                        if quart:
+                            spread += (f"; quartets {100 * statistics.median(quart):+.1f}% "
+                                       f"({100 * min(quart):+.1f}..{100 * max(quart):+.1f}%, {len(quart)})")
+                        cq = quartets(per_cpu[residual], per_cpu["standard"])
+                        if cq:
+                            spread += f"; main-thread CPU quartets {100 * statistics.median(cq):+.1f}%"
                 print(f"{layout:<8} {rc:<9} {residual:<9} | {t:>8.3f} {over} | {_mib(sv):>12} "
                       f"{sv / max(std[1], 1):>6.3f} | {_mib(pk):>12} {pk / max(std[2], 1):>6.3f}{spread}")
+            if args.profile:
+                for r, (pa, pb) in enumerate(zip(profiles["attnres"], profiles["standard"])):
+                    excl, shared, top = op_overhead(pa, pb)
+                    extra = excl + shared
+                    print(f"  profiled rank {r}: AttnRes's own ops {1e3 * extra:+.1f} ms ({1e3 * excl:+.1f} in ops only "
+                          f"one residual calls, {1e3 * shared:+.1f} estimated in extra calls of shared ops) of a "
+                          f"{pb['step_s']:.2f} s standard step ({100 * extra / pb['step_s']:+.2f}%); steps "
+                          f"{pa['step_s']:.2f} / {pb['step_s']:.2f} s; largest: "
+                          + ", ".join(f"{key} {1e3 * v:+.0f} ms" for key, v in top))
+    print("quartets: two consecutive step pairs, which ran in opposite orders (A B then B A), as one ratio "
+          "(A_i + A_i+1) / (B_i + B_i+1) - 1, so that a drift linear over the four steps cancels; main-thread CPU: the "
+          "same on the slowest rank's compute-thread CPU seconds (no receive or scheduler waits)")
     print("overhead: median of the time-adjacent step pairs (attnres_i / standard_i - 1); ratio: AttnRes relative to "
           "the standard residual of the same layout and recompute setting; saved = bytes a micro-batch's forward "
           "keeps for its backward (rank's chunks summed, worst rank).")

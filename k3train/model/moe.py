@@ -430,13 +430,14 @@ class LatentMoE(nn.Module):
         topk_idx, topk_weight, _ = self.router(x)
         return self.latent_down(x), topk_idx, topk_weight
 
-    def combine(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        """``y = sum_s Shared_s(x) + W_up RMSNorm(u)`` for ``x[N, d]``, ``u[N, l]``."""
+    def combine(self, x: torch.Tensor, u: torch.Tensor, shared: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """``y = sum_s Shared_s(x) + W_up RMSNorm(u)`` for ``x[N, d]``, ``u[N, l]``; ``shared``: the shared experts'
+        outputs when already computed (the same sum, in the same order)."""
         if self.latent_norm is not None:
             u = self.latent_norm(u)
         y = self.latent_up(u)
-        for shared in self.shared_experts:
-            y = y + shared(x)
+        for out in shared if shared is not None else (s(x) for s in self.shared_experts):
+            y = y + out
         return y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -444,8 +445,11 @@ class LatentMoE(nn.Module):
             raise ValueError(f"LatentMoE: expected last dimension {self.d}, got shape {tuple(x.shape)}")
         flat = x.reshape(-1, self.d)
         z, topk_idx, topk_weight = self.routed_latent(flat)
+        # the shared experts first: on an accelerator their kernels are queued before the dispatcher's one host
+        # synchronisation (the count copy) and run while the host plans the dispatch
+        shared = [s(flat) for s in self.shared_experts]
         u = self.dispatcher(z, topk_idx, topk_weight, self.experts)
-        return self.combine(flat, u).view(x.shape)
+        return self.combine(flat, u, shared).view(x.shape)
 
 
 def latent_moe_reference(moe: LatentMoE, x: torch.Tensor) -> torch.Tensor:
