@@ -176,8 +176,8 @@ def fast_rank_layout(plan: Plan, takes: np.ndarray, counts_by_src: np.ndarray, m
     send_splits = own_tot + foreign_tot
     base = _excl_cumsum(send_splits)
     own_start = (base[:, None] + np.cumsum(own_by_d, 1) - own_by_d).reshape(-1)
-    f_end = np.cumsum(foreign_n)
-    foreign_start = base[t_d] + own_tot[t_d] + f_end - foreign_n - (f_end - foreign_n)[np.searchsorted(t_d, t_d)]
+    # rows are grouped by receiver: a row's foreign entries before it = all earlier rows' minus earlier receivers'
+    foreign_start = base[t_d] + own_tot[t_d] + _excl_cumsum(foreign_n) - _excl_cumsum(foreign_tot)[t_d]
     # the same segments in the order of `by_expert`: expert-major, destination ascending; empty ones dropped
     key = np.concatenate([np.arange(E) * R + owner, t_e * R + t_d])
     seg_n = np.concatenate([own_n, foreign_n])
