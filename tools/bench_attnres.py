@@ -27,7 +27,10 @@ on CPU:
 * saved bytes per micro-batch: storage bytes a micro-batch's forward leaves alive for its backward, booked by
   :class:`k3train.planning.live_bytes.LiveBytes` (the counter the memory estimator and ``tools/memory.py
   --measure`` use) -- live bytes after minus before each forward (each of the rank's chunks of micro-batch 0 in
-  the pipeline, summed; the most loaded rank). Deterministic: storage sizes, no allocator.
+  the pipeline, summed; the most loaded rank). Deterministic: storage sizes, no allocator. Under pp the same is
+  printed per (rank, local chunk): with ``parallel.recompute`` a chunk's forward keeps little more than its output
+  state, which under AttnRes is the block representations the spec keeps resident (b_0, the embedding, included)
+  instead of one hidden state.
 * activation peak: the step's peak of live bytes above the bytes alive at its start (params, grads), worst rank:
   in the pipeline this includes every in-flight micro-batch, the AttnRes block cache and the p2p buffers.
 
@@ -85,13 +88,15 @@ class _Saved:
     """Live bytes a forward leaves behind: ``begin()`` before it, ``end()`` after (summed per micro-batch)."""
 
     def __init__(self, lb: LiveBytes) -> None:
-        self.lb, self.by_mb, self._start = lb, {}, 0
+        self.lb, self.by_mb, self.mb0_by_chunk, self._start = lb, {}, {}, 0
 
     def begin(self) -> None:
         self._start = self.lb.live
 
-    def end(self, mb: int) -> None:
+    def end(self, mb: int, chunk: int = 0) -> None:
         self.by_mb[mb] = self.by_mb.get(mb, 0) + self.lb.live - self._start
+        if mb == 0:
+            self.mb0_by_chunk[chunk] = self.mb0_by_chunk.get(chunk, 0) + self.lb.live - self._start
 
 
 def _instrument(runner: Any, saved: _Saved, norm: LossNorm) -> LossNorm:
@@ -103,7 +108,7 @@ def _instrument(runner: Any, saved: _Saved, norm: LossNorm) -> LossNorm:
         def forward(a: Any) -> None:
             saved.begin()
             fwd(a)
-            saved.end(a.mb)
+            saved.end(a.mb, a.chunk)
         runner._forward = forward
         return norm
     make_seq, count = runner.make_seq, [0]
@@ -171,6 +176,7 @@ def run_rank(rank: int, world: int, cfgs: list[Any], steps: int, warmup: int,
             runner.forward_backward(batches, n)
             peak = lb.peak - base
         out.append({"rank": rank, "times": times[k], "cpu": cpu[k], "saved_mb0": saved.by_mb.get(0, 0),
+                    "saved_chunks": dict(saved.mb0_by_chunk),
                     "peak": peak, "ops": profile_ops(step, k) if profile else None})
     return out
 
@@ -323,13 +329,14 @@ def main() -> None:
             res = {}
             cfgs = [make_cfg(args.config, residual, pp, vpp, rc == "on", same) for residual in RESIDUALS]
             per_step, per_cpu = {}, {}
-            profiles = {}
+            profiles, chunks = {}, {}
             for residual, ranks in zip(RESIDUALS, run_layout(cfgs, pp, steps, warmup, args.profile)):
                 profiles[residual] = [r["ops"] for r in ranks]
                 per_step[residual] = [max(ts) for ts in zip(*(r["times"] for r in ranks))]   # slowest rank
                 per_cpu[residual] = [max(cs) for cs in zip(*(r["cpu"] for r in ranks))]
                 t = statistics.median(per_step[residual]) if steps else float("nan")
                 res[residual] = (t, max(r["saved_mb0"] for r in ranks), max(r["peak"] for r in ranks))
+                chunks[residual] = {(r["rank"], c): b for r in ranks for c, b in r["saved_chunks"].items()}
             std = res["standard"]
             for residual in RESIDUALS:
                 t, sv, pk = res[residual]
@@ -348,6 +355,10 @@ def main() -> None:
                             spread += f"; main-thread CPU quartets {100 * statistics.median(cq):+.1f}%"
                 print(f"{layout:<8} {rc:<9} {residual:<9} | {t:>8.3f} {over} | {_mib(sv):>12} "
                       f"{sv / max(std[1], 1):>6.3f} | {_mib(pk):>12} {pk / max(std[2], 1):>6.3f}{spread}")
+            if pp > 1:  # where the saved bytes differ: the forward of each (rank, local chunk) of micro-batch 0
+                print("  saved MiB of micro-batch 0 per (rank, local chunk), attnres / standard: " + ", ".join(
+                    f"r{r} c{c} {_mib(b)} / {_mib(chunks['standard'].get((r, c), 0))}"
+                    for (r, c), b in sorted(chunks["attnres"].items())))
             if args.profile:
                 for r, (pa, pb) in enumerate(zip(profiles["attnres"], profiles["standard"])):
                     excl, shared, top = op_overhead(pa, pb)

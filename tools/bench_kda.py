@@ -10,7 +10,8 @@ Ops compared (same inputs, ``o`` from zero state, loss = <o, w>, gradients of q,
                     (the header line says which); run only up to ``--naive-max-t``.
 
 Per (T, K = V): median wall time of fwd+bwd, speed-ups of ``new``, achieved GFLOP/s as a fraction of plain
-``torch.matmul`` measured in the same run, autograd-saved bytes / input bytes (``saved_tensors_hooks``, distinct
+``torch.matmul`` measured in the same run right before the row (the host's matmul speed moves by +-10% over
+minutes), autograd-saved bytes / input bytes (``saved_tensors_hooks``, distinct
 storages), and max |o_new - o_autograd|. A second header line gives the GFLOP/s of the batched GEMM shapes the
 chunk form is made of (``[NC*H] x 64x64 @ 64xK``, ``64xK @ KxV``), as a fraction of the same matmul figure:
 the practical ceiling for any chunked op built from batched matmuls on this machine.
@@ -30,6 +31,10 @@ Goals (issue 13) at T=4096, H=4, K=V=128, one thread: new >= 2x autograd, >= 40%
 
     OMP_NUM_THREADS=1 .venv/bin/python tools/bench_kda.py --threads 1
 
+The host allocator keeps freed memory (:func:`k3train.host_alloc.keep_freed_memory`, as a device's caching
+allocator does), so the times are the ops' work rather than the kernel zero-filling the pages that glibc returned
+and takes back on every call; ``--host-alloc default`` leaves glibc as it comes.
+
 This is a tool, not a test. ``--clock thread`` times with the calling thread's CPU time (meaningful with
 ``--threads 1`` only), for A/B comparisons on a loaded machine.
 """
@@ -47,6 +52,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from k3train.host_alloc import keep_freed_memory  # noqa: E402
 from k3train.ops.kda import chunk_kda, chunk_kda_autograd  # noqa: E402
 from k3train.ops.kda_naive import naive_recurrent_kda  # noqa: E402
 
@@ -160,7 +166,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: leave torch's default)")
     p.add_argument("--matmul-n", type=int, default=2048, help="square fp32 matmul size for the peak reference")
     p.add_argument("--clock", choices=["wall", "thread"], default="wall")
+    p.add_argument("--host-alloc", choices=["keep", "default"], default="keep",
+                   help="keep: the host allocator keeps freed memory (k3train/host_alloc.py), so the times are the "
+                        "ops' work and not the kernel's page zeroing; default: glibc as it comes")
     a = p.parse_args(argv)
+    alloc = keep_freed_memory() if a.host_alloc == "keep" else "host allocator unchanged (--host-alloc default)"
     if a.threads:
         torch.set_num_threads(a.threads)
     dtype = DTYPES[a.dtype]
@@ -172,20 +182,23 @@ def main(argv: list[str] | None = None) -> None:
 
     n = a.matmul_n
     mats = torch.randn(n, n, device=a.device), torch.randn(n, n, device=a.device)
-    peak = gflops_of(lambda: mats[0] @ mats[1], 2 * n ** 3, a.repeats, clock)
+    matmul_peak = lambda: gflops_of(lambda: mats[0] @ mats[1], 2 * n ** 3, a.repeats, clock)  # noqa: E731
+    peak = matmul_peak()
     C, D = a.chunk_size, max(int(x) for x in a.dims.split(","))
     bmm = {}
     for name, (m, kk, nn) in {f"{C}x{C}@{C}x{D}": (C, C, D), f"{C}x{D}@{D}x{D}": (C, D, D)}.items():
         x, y = torch.randn(256, m, kk, device=a.device), torch.randn(256, kk, nn, device=a.device)
         bmm[name] = gflops_of(lambda: x @ y, 2 * 256 * m * kk * nn, a.repeats, clock)
     print(f"device={a.device} threads={torch.get_num_threads()} dtype={a.dtype} B={a.batch} H={a.heads} "
-          f"C={C} g_lower_bound={a.g_lower_bound} clock={a.clock} repeats={a.repeats} (median)")
-    print(f"torch.matmul fp32 {n}x{n}: {peak:.1f} GFLOP/s (the 'of mm' reference, same run); batched 256x "
+          f"C={C} g_lower_bound={a.g_lower_bound} clock={a.clock} repeats={a.repeats} (median); {alloc}")
+    print(f"torch.matmul fp32 {n}x{n}: {peak:.1f} GFLOP/s at the start (the 'of mm' reference is measured again "
+          f"right before each row's timings: the column 'mm GF/s'); batched 256x "
           + ", ".join(f"{k}: {v:.1f} ({v / peak:.0%})" for k, v in bmm.items()))
     print(f"naive reference: {naive_name}, up to T={naive_max}")
     print("FLOPs(fwd+bwd) = 3 * B*H*ceil(T/C) * [4C^2K + 3C^2(K+V) + 2CK(K+V) + 2K^2V + 2CKV]")
     hdr = (f"{'T':>6} {'K=V':>4} {'new ms':>8} {'autograd':>9} {'naive ms':>9} {'vs auto':>8} {'vs naive':>9} "
-           f"{'GFLOP':>7} {'new/mm':>7} {'auto/mm':>8} {'saved new':>10} {'saved auto':>11} {'max|do|':>9}")
+           f"{'GFLOP':>7} {'mm GF/s':>8} {'new/mm':>7} {'auto/mm':>8} {'saved new':>10} {'saved auto':>11} "
+           f"{'max|do|':>9}")
     print(hdr)
     print("-" * len(hdr))
     for D in [int(x) for x in a.dims.split(",")]:
@@ -193,6 +206,7 @@ def main(argv: list[str] | None = None) -> None:
             inputs = make_inputs(a.batch, T, a.heads, D, D, dtype, a.device)
             w = torch.randn(a.batch, T, a.heads, D, device=a.device)
             flops = kda_flops(a.batch, T, a.heads, D, D, C)
+            peak = matmul_peak()  # the host's speed drifts by +-20% over minutes: the reference beside the row
             t_new, o_new = timed(new, inputs, w, a.repeats, clock)
             s_new = saved_ratio(new, inputs)
             cells = {"auto": "-", "naive": "-", "vs auto": "-", "vs naive": "-", "auto/mm": "-", "saved auto": "-",
@@ -207,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
                 t_naive, _ = timed(naive_fn, inputs, w, 1, clock, warm_up=False)
                 cells.update({"naive": f"{t_naive * 1e3:.1f}", "vs naive": f"{t_naive / t_new:.1f}x"})
             print(f"{T:>6} {D:>4} {t_new * 1e3:8.1f} {cells['auto']:>9} {cells['naive']:>9} {cells['vs auto']:>8} "
-                  f"{cells['vs naive']:>9} {flops / 1e9:7.2f} {flops / t_new / 1e9 / peak:7.1%} "
+                  f"{cells['vs naive']:>9} {flops / 1e9:7.2f} {peak:8.1f} {flops / t_new / 1e9 / peak:7.1%} "
                   f"{cells['auto/mm']:>8} {s_new:9.2f}x {cells['saved auto']:>11} {cells['err']:>9}")
     print("saved = autograd-saved bytes / input bytes; vs = speed-up of new; x/mm = achieved / matmul FLOP/s")
 
