@@ -1,6 +1,9 @@
-"""k3train/host_alloc.py: after ``keep_freed_memory()`` a freed 16 MiB tensor's pages are reused by the next one
-(no page faults); glibc as it comes faults the second allocation in again. Each case runs in a fresh interpreter:
-the allocator's thresholds are process state that other tests move."""
+"""k3train/host_alloc.py: after ``keep_freed_memory()`` a 16 MiB tensor comes from the process heap and freeing it
+leaves the heap as large as it was (kept for the next allocation); glibc as it comes maps such a tensor from the
+kernel, and hands it back on free. Each case runs in a fresh interpreter: the thresholds are process state.
+
+Where the block lies is deterministic; page-fault counts are not (a freed block may be split by small allocations
+in between), so the fault figures of tools/bench_kda.py are measured there, not asserted here."""
 from __future__ import annotations
 
 import subprocess
@@ -12,30 +15,40 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 _PROBE = """
-import resource, sys
+import sys
 sys.path.insert(0, {root!r})
 import torch
 from k3train.host_alloc import keep_freed_memory
 if {keep}:
     print(keep_freed_memory(), file=sys.stderr)
-n = 4 * 2**20                                    # 16 MiB of fp32
-torch.empty(n).fill_(1.0)                        # first: allocated, touched, freed
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-torch.empty(n).fill_(2.0)                        # second: the freed pages again, or fresh ones from the kernel
-print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+
+def heap():
+    for line in open("/proc/self/maps"):
+        if "[heap]" in line:
+            return [int(v, 16) for v in line.split()[0].split("-")]
+    return [0, 0]
+
+x = torch.empty(4 * 2**20).fill_(1.0)            # 16 MiB of fp32
+lo, hi = heap()
+in_heap = lo <= x.data_ptr() < hi
+del x
+lo2, hi2 = heap()
+print(int(in_heap), hi - lo, hi2 - lo2)
 """
 
 
-def _faults(keep: bool) -> int:
+def _probe(keep: bool) -> tuple[bool, int, int]:
     out = subprocess.run([sys.executable, "-c", _PROBE.format(root=str(ROOT), keep=keep)], capture_output=True,
                          text=True, timeout=120, check=True)
-    return int(out.stdout.strip().splitlines()[-1])
+    in_heap, size, size_after = out.stdout.split()
+    return bool(int(in_heap)), int(size), int(size_after)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt")
-def test_keep_freed_memory_reuses_pages() -> None:
-    pages = 16 * 2**20 // 4096
-    kept, default = _faults(True), _faults(False)
-    assert kept < pages // 8, f"with keep_freed_memory the second 16 MiB tensor faulted {kept} pages in"
-    assert default > pages // 2, (f"glibc's default faulted only {default} pages for the second 16 MiB tensor: the "
-                                  f"probe no longer shows what keep_freed_memory changes")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt, /proc/self/maps")
+def test_keep_freed_memory_serves_large_tensors_from_the_kept_heap() -> None:
+    in_heap, size, size_after = _probe(True)
+    assert in_heap, "with keep_freed_memory a 16 MiB tensor was not served from the heap (mmap threshold not set)"
+    assert size_after >= size, f"freeing it shrank the heap from {size} to {size_after} bytes (trim threshold not set)"
+    in_heap, _, _ = _probe(False)
+    assert not in_heap, ("glibc's default served a fresh 16 MiB tensor from the heap: the probe no longer shows what "
+                         "keep_freed_memory changes")
