@@ -32,7 +32,9 @@ def keep_freed_memory() -> str:
     except (OSError, AttributeError):
         return "host allocator unchanged (no glibc mallopt)"
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    ok = mallopt(_M_MMAP_THRESHOLD, _MMAP_MAX_BYTES) == 1
-    ok = (mallopt(_M_TRIM_THRESHOLD, _TRIM_BYTES) == 1) and ok
-    return ("host allocator keeps freed memory (glibc mmap threshold 32 MiB, heap trimmed above 2 GiB free), as a device caching "
-            "allocator does" if ok else "host allocator unchanged (mallopt refused)")
+    done = [mallopt(option, value) == 1 for option, value in ((_M_MMAP_THRESHOLD, _MMAP_MAX_BYTES),
+                                                              (_M_TRIM_THRESHOLD, _TRIM_BYTES))]
+    if not all(done):
+        return "host allocator not (fully) changed: mallopt refused"
+    return ("host allocator keeps freed memory (glibc mmap threshold 32 MiB, heap trimmed above 2 GiB free), as a "
+            "device caching allocator does")

@@ -85,18 +85,22 @@ def micro_batches(cfg: Any, seed: int = 0) -> list[Batch]:
 
 
 class _Saved:
-    """Live bytes a forward leaves behind: ``begin()`` before it, ``end()`` after (summed per micro-batch)."""
+    """Live bytes a forward leaves behind: ``begin()`` before it, ``end()`` after (summed per micro-batch and local
+    chunk)."""
 
     def __init__(self, lb: LiveBytes) -> None:
-        self.lb, self.by_mb, self.mb0_by_chunk, self._start = lb, {}, {}, 0
+        self.lb, self.by_mb_chunk, self._start = lb, {}, 0
 
     def begin(self) -> None:
         self._start = self.lb.live
 
     def end(self, mb: int, chunk: int = 0) -> None:
-        self.by_mb[mb] = self.by_mb.get(mb, 0) + self.lb.live - self._start
-        if mb == 0:
-            self.mb0_by_chunk[chunk] = self.mb0_by_chunk.get(chunk, 0) + self.lb.live - self._start
+        key = (mb, chunk)
+        self.by_mb_chunk[key] = self.by_mb_chunk.get(key, 0) + self.lb.live - self._start
+
+    def of_mb(self, mb: int) -> dict[int, int]:
+        """Bytes per local chunk of micro-batch ``mb``."""
+        return {c: b for (m, c), b in self.by_mb_chunk.items() if m == mb}
 
 
 def _instrument(runner: Any, saved: _Saved, norm: LossNorm) -> LossNorm:
@@ -175,8 +179,8 @@ def run_rank(rank: int, world: int, cfgs: list[Any], steps: int, warmup: int,
             lb.reset_peak()
             runner.forward_backward(batches, n)
             peak = lb.peak - base
-        out.append({"rank": rank, "times": times[k], "cpu": cpu[k], "saved_mb0": saved.by_mb.get(0, 0),
-                    "saved_chunks": dict(saved.mb0_by_chunk),
+        out.append({"rank": rank, "times": times[k], "cpu": cpu[k], "saved_mb0": sum(saved.of_mb(0).values()),
+                    "saved_chunks": saved.of_mb(0),
                     "peak": peak, "ops": profile_ops(step, k) if profile else None})
     return out
 

@@ -10,7 +10,7 @@ Ops compared (same inputs, ``o`` from zero state, loss = <o, w>, gradients of q,
                     (the header line says which); run only up to ``--naive-max-t``.
 
 Per (T, K = V): median wall time of fwd+bwd, speed-ups of ``new``, achieved GFLOP/s as a fraction of plain
-``torch.matmul`` measured in the same run right before the row (the host's matmul speed moves by +-10% over
+``torch.matmul`` measured in the same run right before the row (the host's matmul speed moves by +-15% over
 minutes), autograd-saved bytes / input bytes (``saved_tensors_hooks``, distinct
 storages), and max |o_new - o_autograd|. A second header line gives the GFLOP/s of the batched GEMM shapes the
 chunk form is made of (``[NC*H] x 64x64 @ 64xK``, ``64xK @ KxV``), as a fraction of the same matmul figure:
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
             inputs = make_inputs(a.batch, T, a.heads, D, D, dtype, a.device)
             w = torch.randn(a.batch, T, a.heads, D, device=a.device)
             flops = kda_flops(a.batch, T, a.heads, D, D, C)
-            peak = matmul_peak()  # the host's speed drifts by +-20% over minutes: the reference beside the row
+            peak = matmul_peak()  # the host's speed drifts (above): the reference beside the row
             t_new, o_new = timed(new, inputs, w, a.repeats, clock)
             s_new = saved_ratio(new, inputs)
             cells = {"auto": "-", "naive": "-", "vs auto": "-", "vs naive": "-", "auto/mm": "-", "saved auto": "-",
