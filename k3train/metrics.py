@@ -41,11 +41,10 @@ def measure_peak_flops(device: torch.device, seconds: float = 0.3, n: int = 1024
 
 
 def peak_flops_cache_path(device: torch.device) -> Path:
-    """``~/.cache/k3train/peak_flops-<host>.json`` (``$XDG_CACHE_HOME`` for ``~/.cache``; ``$K3TRAIN_CACHE_DIR``
-    for the whole ``~/.cache/k3train``, e.g. the test suite's own): one file per machine."""
-    base = os.environ.get("K3TRAIN_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") \
-        / "k3train"
-    return Path(base) / f"peak_flops-{socket.gethostname()}.json"
+    """``<cache_dir>/peak_flops-<host>.json`` (:func:`k3train.cache_dir.cache_dir`): one file per machine."""
+    from k3train.cache_dir import cache_dir
+
+    return cache_dir() / f"peak_flops-{socket.gethostname()}.json"
 
 
 def _device_key(device: torch.device) -> str:

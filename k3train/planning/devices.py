@@ -135,8 +135,9 @@ def apply_fields(dev: Device, items: list[str]) -> Device:
 def cache_path(explicit: str | None = None) -> Path:
     if explicit:
         return Path(explicit)
-    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return base / "k3train" / "cpu_calibration.json"
+    from k3train.cache_dir import cache_dir
+
+    return cache_dir() / "cpu_calibration.json"
 
 
 def host_key(threads: int) -> str:

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from dist_helpers import run_distributed
+from shipped_data import shipped_view
 from trainer_parity import ROOT, assert_close_all, max_diffs, owned_grads, snapshot
 
 WORLD, STEPS, SEQ_LEN, GBS, MBS = 2, 2, 128, 4, 1
@@ -54,8 +55,8 @@ LAYOUTS = [  # (name, --parallel.* overrides); the 2 ranks run them one after an
 @pytest.fixture(scope="module")
 def mm_prefix(tmp_path_factory) -> Path:
     """The shipped multimodal corpus (``make data-mm``), or the same corpus built here when it is missing."""
-    built = ROOT / "data_cache" / "mm"
-    if Path(str(built) + ".bin").is_file():
+    built = shipped_view("mm")
+    if built is not None:
         return built
     from k3train.data.multimodal.prepare import prepare_multimodal
     from k3train.data.multimodal.shipped import build_shipped_shards

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from k3train.config import Config, load_config
+from shipped_data import shipped_view
 
 ROOT = Path(__file__).resolve().parents[2]
 SEQ_LEN, GBS, MBS = 32, 4, 1
@@ -26,7 +27,7 @@ def parity_cfg(out_dir: Path, steps: int, world: int, layout: list[str]) -> Conf
 
     ``warmup_steps=1``: the first step already runs at the peak lr, so a wrong gradient moves the parameters
     (Muon's update RMS is 0.2 * lr = 6e-4 per step) far beyond the comparison tolerance."""
-    over = [f"--data.path={ROOT / 'data_cache' / 'corpus_text_document'}", "--data.split=100,0,0",
+    over = [f"--data.path={shipped_view('corpus_text_document')}", "--data.split=100,0,0",
             f"--train.seq_len={SEQ_LEN}", f"--train.global_batch_size={GBS}", f"--train.micro_batch_size={MBS}",
             f"--train.steps={steps}", "--train.device=cpu", "--train.dtype=float32", f"--train.out_dir={out_dir}",
             "--optim.warmup_steps=1", "--logging.wandb=false", "--logging.peak_flops=1e9",

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,7 +36,8 @@ def assert_same_run(got: list[dict], ref: list[dict], what: object = "") -> None
 
 def run_train(args: list[str], nproc: int = 0, timeout: float = 600,
               env_extra: dict[str, str | None] | None = None) -> subprocess.CompletedProcess:
-    """``python -m k3train.train`` (nproc 0) or ``torchrun --nproc_per_node=nproc -m k3train.train``.
+    """``python -m k3train.train`` (nproc 0) or ``torchrun --nproc_per_node=nproc -m k3train.train``, in a fresh
+    temporary ``train.out_dir`` unless ``args`` names one.
     ``env_extra``: environment changes on top of the defaults (a value of None removes the variable)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env.update(WANDB_MODE="disabled", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
@@ -44,6 +46,9 @@ def run_train(args: list[str], nproc: int = 0, timeout: float = 600,
             env.pop(k, None)
         else:
             env[k] = v
+    if not any(a.startswith("--train.out_dir") for a in args):
+        # never the config's own out_dir (runs/tiny: a user's `make train` run may be there)
+        args = [*args, f"--train.out_dir={tempfile.mkdtemp(prefix='k3train-test-run-')}"]
     if nproc:
         cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", "-m", "k3train.train", *args]
     else:
