@@ -140,10 +140,36 @@ def cache_path(explicit: str | None = None) -> Path:
     return cache_dir() / "cpu_calibration.json"
 
 
+# instruction-set extensions that change what a CPU kernel (and so every timing) does
+_ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "asimd", "sve")
+
+
+def cpu_model() -> str:
+    """The processor's model name and its vector extensions (``/proc/cpuinfo``; the platform's name elsewhere)."""
+    import platform
+
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            k, _, v = line.partition(":")
+            k = k.strip()
+            if k == "model name" and v.strip():
+                name = v.strip()
+            elif k in ("flags", "Features"):
+                flags |= set(v.split())
+    except OSError:
+        pass
+    return f"{name} [{' '.join(f for f in _ISA_FLAGS if f in flags) or '-'}]"
+
+
 def host_key(threads: int) -> str:
+    """What a cpu calibration holds for: the host, the cores this process may use, the processor and its vector
+    extensions, the torch version and the intra-op threads per rank. A run under other conditions (another
+    machine behind the same host name, another torch, other threads) finds no entry and measures anew."""
     import torch
 
-    return f"{socket.gethostname()}|cores={cores_available()}|torch={torch.__version__}|threads={threads}"
+    return (f"{socket.gethostname()}|cores={cores_available()}|cpu={cpu_model()}|torch={torch.__version__}"
+            f"|threads={threads}")
 
 
 def cores_available() -> int:

@@ -159,7 +159,7 @@ class Planner:
         self.log(f"{len(pairs)} valid layouts ({checked} candidates checked) in {t_enum:.1f} s")
         facts = ParamFacts.build(base)
         val = Validator(base, self.world)
-        opt_times = self.lt.optimizer(base, facts.infos) if self.lt is not None else None
+        opt_times = self.lt.optimizer_in_trainer(base, facts.infos) if self.lt is not None else None
         rows = [Row(layout=lay, cfg=cfg) for lay, cfg in pairs]
         notes: list[str] = []
         t1 = time.perf_counter()

@@ -36,7 +36,10 @@ After the pipeline: gradients (parameter dtype) all-reduced over ``dp_cp`` (dens
 ZeRO 0/1; at ZeRO-2 reduced to owners per chunk as soon as the chunk's last backward ends (overlapping the rest of
 the pipeline); the optimizer (Muon Newton-Schulz FLOPs + elementwise bytes; on cpu measured per parameter),
 balanced over owners at ZeRO >= 1 (not below the largest parameter); ZeRO >= 1 then broadcasts the updated
-parameters (all-gather bytes). Ranks are placed in ``ParallelDims``' order, ``gpus_per_node`` per node; a group
+parameters (all-gather bytes). ``--device cpu``: the trainer anchor (:class:`~k3train.planning.layer_bench.
+TrainerAnchor`, one real one-process run of the config on this host) scales the measured layer and optimizer
+times to what the trainer takes, and adds the gradient norm's own work (the rank's share of the parameters) and the
+step's host work outside the timed phases (``Prediction.host``). Ranks are placed in ``ParallelDims``' order, ``gpus_per_node`` per node; a group
 whose ranks share a node uses NVLink, else the inter-node link.
 """
 from __future__ import annotations
@@ -55,11 +58,12 @@ class Prediction:
     exposed_comm: float
     bubble: float
     optimizer: float
+    host: float = 0.0  # cpu: the gradient norm's own work and the step's host work outside the phases (anchor)
     detail: dict[str, Any] = field(default_factory=dict)
 
     def breakdown(self) -> dict[str, float]:
         return {"compute": self.compute, "exposed_comm": self.exposed_comm, "bubble": self.bubble,
-                "optimizer": self.optimizer}
+                "optimizer": self.optimizer, "host": self.host}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -203,6 +207,12 @@ class ActionCosts:
     msg_s: dict[int, tuple[float, float]]  # boundary -> (latency, transfer seconds) per message
 
 
+def anchor_of(layer_times: Any, cfg: Any) -> Any:
+    """The :class:`~k3train.planning.layer_bench.TrainerAnchor` of ``cfg`` on this host (cpu with a plan's config),
+    or None."""
+    return layer_times.anchor(cfg) if layer_times is not None and hasattr(layer_times, "anchor") else None
+
+
 def layer_compute(cfg: Any, dev: Device, lay: Any, layer_times: Any, skew: float) -> tuple[list, list, list]:
     """Per piece forward/backward seconds: ``(embed [f, b, b_rc], layers [[f, b, b_rc]], head [f, b, b_rc])``,
     ``b_rc`` the backward under ``parallel.recompute`` (the forward re-run included: timed on ``cpu``, ``b + f``
@@ -217,13 +227,15 @@ def layer_compute(cfg: Any, dev: Device, lay: Any, layer_times: Any, skew: float
     sk = 1.0 if (lay.moonep or lay.ep == 1) else skew
     if layer_times is not None:
         t = layer_times.layers(cfg, B, T, lay.ep)
+        a = anchor_of(layer_times, cfg)
+        s = a.fb_scale if a is not None else 1.0  # the trainer's forward + backward over the isolated layers'
         layers = []
         for i, fb in enumerate(t["layers"]):
-            x = 1.0
+            x = s
             if m.is_moe_layer(i) and sk != 1.0:
-                x = 1 + (sk - 1) * routed / layer_cost(m, i, T)
+                x = s * (1 + (sk - 1) * routed / layer_cost(m, i, T))
             layers.append([y * x for y in fb])
-        return list(t["embed"]), layers, list(t["head"])
+        return [y * s for y in t["embed"]], layers, [y * s for y in t["head"]]
     rate = dev.flops()
     s_eff = 2 * Tfull - T - 1 if lay.cp > 1 else Tfull  # MLA: mean context of the last CP rank
     layers = []
@@ -528,7 +540,9 @@ def predict(cfg: Any, lay: Any, part: Any, programs: list[list[Any]], dev: Devic
     dpcp = lay.dp * lay.cp
     sim = simulate_programs(programs, lay.pp, part.vpp, costs, dpcp, dev.rank_speed if dev.shares_cores else None)
     es = 2 if cfg.train.dtype == "bfloat16" else 4
-    finish, opt, bcast = [], [], []
+    anchor = anchor_of(layer_times, cfg)
+    total_numel = sum(p[0] + p[1] for p in facts.pieces.values())
+    finish, opt, bcast, norm = [], [], [], []
     for r in range(lay.pp):
         d, e, _ = facts.stage_numel(part, r, lay.ep)
         # ParallelDims' groups of rank (r, 0, 0): dp_cp = the stage's dp*cp consecutive ranks, edp = every ep-th
@@ -549,6 +563,8 @@ def predict(cfg: Any, lay: Any, part: Any, programs: list[list[Any]], dev: Devic
             finish.append(sim.end[r] + ring_time("all_reduce", d * es, dg, dev) + ring_time("all_reduce", e * es, eg, dev))
         # every rank of the host updates at the same time
         opt.append(optimizer_seconds(facts, cfg, dev, part, r, lay, opt_times) / dev.rank_speed(lay.pp * dpcp))
+        if anchor is not None:  # the norm's local work: the rank's share of the parameters' elements
+            norm.append(anchor.grad_norm_s * (d + e) / max(1.0, total_numel) / dev.rank_speed(lay.pp * dpcp))
         bcast.append(0.0 if lay.zero == 0 else  # one broadcast per owner of the group
                      ring_time("all_gather", d * es, dg, dev, calls=len(dg))
                      + ring_time("all_gather", e * es, eg, dev, calls=len(eg)))
@@ -560,13 +576,15 @@ def predict(cfg: Any, lay: Any, part: Any, programs: list[list[Any]], dev: Devic
              if lay.pp * dpcp > 1 else 0.0)
     # the breakdown is the bottleneck's: the pipeline rank with the most work (its idle time is the bubble)
     crit = max(range(lay.pp), key=lambda r: (sim.busy_compute[r] + sim.busy_comm[r], finish[r]))
-    step = max(finish) + max(opt) + max(bcast) + fixed
+    host = (max(norm) + anchor.host_step_s / dev.rank_speed(lay.pp * dpcp)) if anchor is not None else 0.0
+    step = max(finish) + max(opt) + max(bcast) + fixed + host
     compute = sim.busy_compute[crit]
     in_action = sim.busy_comm[crit]
     bubble = max(0.0, sim.makespan - compute - in_action)
     optimizer = max(opt)
-    exposed = max(0.0, step - compute - bubble - optimizer)
+    exposed = max(0.0, step - compute - bubble - optimizer - host)
     return Prediction(step_s=step, compute=compute, exposed_comm=exposed, bubble=bubble, optimizer=optimizer,
+                      host=host,
                       detail={"pipeline_s": sim.makespan, "in_action_comm_s": in_action,
                               "dp_reduce_s": max(finish) - sim.makespan, "param_bcast_s": max(bcast),
                               "fixed_collectives_s": fixed, "critical_pp_rank": crit,

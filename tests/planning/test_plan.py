@@ -70,7 +70,7 @@ def planned(tmp_path_factory):
 
     cal = tmp_path_factory.mktemp("cal") / "cpu.json"
     dev = get_device("cpu", 2, [], str(cal), log=lambda *a: None)
-    lt = LayerTimes(cal, dev.threads, log=lambda *a: None)
+    lt = LayerTimes(cal, dev.threads, log=lambda *a: None, config=TINY, overrides=PIN)  # with the trainer anchor
     cache = EstimateCache()
     res = Planner(TINY, PIN, 2, dev, exhaustive=True, layer_times=lt, log=lambda *a: None, cache=cache).run()
     return dev, lt, cache, res
@@ -119,6 +119,42 @@ def test_predicted_step_time_near_measured(planned):
     assert abs(sum(p.breakdown().values()) - p.step_s) <= 1e-9 * p.step_s
     measured = measure_step(TINY, PIN + row.layout.overrides(), 2, steps=3, threads=dev.threads)["step_time_s"]
     assert 0.5 < p.step_s / measured < 2.0, (p.step_s, measured, p.breakdown())
+
+
+def test_trainer_anchor_enters_every_prediction(planned):
+    """The trainer anchor (one real one-process run of the config at its micro-batch, one micro-batch per step)
+    decomposes into the planner's terms, and those terms are what the prediction adds and scales."""
+    from k3train.planning.layer_bench import LayerTimes, anchor_overrides
+    from k3train.planning.layouts import Validator
+    from k3train.planning.plan import Planner
+    from k3train.planning.step_time import ParamFacts, predict
+
+    dev, lt, _, res = planned
+    a = lt.anchor(res.base_cfg)
+    m = a.measured
+    assert (m["B"], m["T"]) == (2, res.base_cfg.train.seq_len)  # the config's micro-batch (PIN's 2)
+    assert m["step_time_s"] == pytest.approx(m["time_forward_backward_s"] + a.grad_norm_s + m["time_optimizer_s"]
+                                             + a.host_step_s)
+    assert a.fb_scale * a.predicted["forward_backward_s"] == pytest.approx(m["time_forward_backward_s"])
+    assert a.opt_scale * a.predicted["optimizer_s"] == pytest.approx(m["time_optimizer_s"])
+    assert a.grad_norm_s > 0 and 0.2 < a.fb_scale < 5 and 0.2 < a.opt_scale < 5
+    # the layout's prediction carries the host work (dp=2 on this host: both ranks' share of the cores)
+    (row,) = res.rows
+    assert row.pred.host == pytest.approx((a.grad_norm_s + a.host_step_s) / dev.rank_speed(2))
+    # without the anchor the same layout loses exactly those terms and the scalings
+    bare = LayerTimes(lt.path, lt.threads, log=lambda *x: None)
+    facts = ParamFacts.build(res.base_cfg)
+    part = Validator(res.base_cfg, 2).partition(row.cfg)
+    pl = Planner(TINY, PIN, 2, dev, layer_times=bare, log=lambda *x: None)
+    p0 = predict(row.cfg, row.layout, part, pl.programs(row.layout, row.cfg.train.grad_accum_steps), dev, facts,
+                 bare, 1.5, bare.optimizer(res.base_cfg, facts.infos))
+    assert p0.host == 0.0
+    assert row.pred.compute == pytest.approx(p0.compute * a.fb_scale)
+    assert row.pred.optimizer == pytest.approx(p0.optimizer * a.opt_scale)
+    # the anchor's own layout: one process, the config's micro-batch, the user's other overrides kept
+    over = anchor_overrides(["--parallel.pp=2", "--train.micro_batch_size=4", "--optim.lr=1e-3"], 4)
+    assert "--optim.lr=1e-3" in over and "--parallel.pp=2" not in over and "--parallel.pp=1" in over
+    assert over[-2:] == ["--train.micro_batch_size=4", "--train.global_batch_size=4"]
 
 
 def test_program_simulation_matches_the_schedule_simulator():
