@@ -184,6 +184,28 @@ def test_shipped_corpus_is_deterministic_and_paired():
             assert 2 <= len(seq[1]["video"]) <= 4
 
 
+def test_shipped_pictures_show_what_their_caption_says():
+    """The optional picture kind (not in the shipped corpus): one still picture, then a caption naming the colour
+    and the shape it shows -- every non-white pixel has the caption's colour, a square fills its bounding box and a
+    circle does not."""
+    from PIL import ImageColor
+
+    samples = build_samples(5, n_ocr=0, n_code=0, n_video=0, n_picture=12)
+    assert {k[:-5] for k, _, _ in samples} == {"picture"}
+    shapes = set()
+    for _, seq, pngs in samples:
+        assert seq[1] == {"image": 0} and len(pngs) == 1 and seq[2].endswith(".\n")
+        colour, shape = seq[2].split()[1], seq[2].split()[2].rstrip(".")
+        px = np.asarray(Image.open(io.BytesIO(pngs[0])).convert("RGB"))
+        ink = (px != 255).any(-1)
+        assert (px[ink] == ImageColor.getrgb(colour)).all()
+        ys, xs = np.nonzero(ink)
+        box = ink[ys.min():ys.max() + 1, xs.min():xs.max() + 1]
+        assert box.all() == (shape == "square") and box.shape[0] >= px.shape[0] // 2 - 1
+        shapes.add(shape)
+    assert shapes == {"square", "circle"}
+
+
 def test_prepared_dataset_validates(shipped):
     info = validate_indexed_dataset(shipped, 4099)
     assert info.num_documents == 80
@@ -191,10 +213,11 @@ def test_prepared_dataset_validates(shipped):
 
 def test_vision_bench_scores_the_text_after_media_and_keeps_noise_statistics():
     """tools/bench_vision_learns.py: the scored labels are the text after a document's first <|media_end|>
-    (no media tokens, specials or masked positions); the noise media keep the shape and each media's
-    per-channel mean and std."""
+    (no media tokens, specials or masked positions); the noise media keep the shapes and take the per-channel
+    mean and std of all the media together, the same for every media (not each one's own: a picture's mean
+    colour would tell its colour)."""
     from k3train.model.media import MediaInputs
-    from tools.bench_vision_learns import noise_like, text_after_media_mask
+    from tools.bench_vision_learns import noise_like, pixel_stats, text_after_media_mask
 
     # doc 0: text, <|media_start|>, 2 placeholders, <|media_end|>, text, text, EOS; doc 1: text with no media
     b = Batch.from_samples(torch.tensor([[5, 4097, PH, PH, 4098, 6, 7, 1, 8, 9]]), eos_id=1, pad_id=2)
@@ -203,13 +226,20 @@ def test_vision_bench_scores_the_text_after_media_and_keeps_noise_statistics():
     g = torch.Generator().manual_seed(0)
     px = torch.cat([torch.randn(64, 3, 14, 14, generator=g) * 0.5 + 2, torch.rand(16, 3, 14, 14, generator=g)])
     media = MediaInputs(px, torch.tensor([[1, 8, 8], [1, 4, 4]]))
-    noisy = noise_like(media, seed=3)
-    assert noisy.pixel_values.shape == px.shape and torch.equal(noisy.grid_thw, media.grid_thw)
+    other = MediaInputs(torch.rand(16, 3, 14, 14, generator=g) - 1, torch.tensor([[1, 4, 4]]))
+    mean, std = pixel_stats([media, other])
+    every = torch.cat([px, other.pixel_values]).double()
+    torch.testing.assert_close(mean, every.mean(dim=(0, 2, 3)))
+    torch.testing.assert_close(std, every.transpose(0, 1).reshape(3, -1).std(1))
+    noisy = noise_like(media, 3, mean, std)
+    assert noisy.pixel_values.shape == px.shape and noisy.pixel_values.dtype == px.dtype
+    assert torch.equal(noisy.grid_thw, media.grid_thw)
+    n = noisy.pixel_values.double()
+    torch.testing.assert_close(n.mean(dim=(0, 2, 3)), mean, atol=0.02, rtol=0)
+    torch.testing.assert_close(n.transpose(0, 1).reshape(3, -1).std(1), std, atol=0.02, rtol=0.02)
     for sl in (slice(0, 64), slice(64, 80)):
-        a, n = px[sl], noisy.pixel_values[sl]
-        torch.testing.assert_close(n.mean(dim=(0, 2, 3)), a.mean(dim=(0, 2, 3)), atol=0.02, rtol=0)
-        torch.testing.assert_close(n.std(dim=(0, 2, 3)), a.std(dim=(0, 2, 3)), atol=0.02, rtol=0.02)
-        assert (n - a).abs().mean() > 0.1  # not the picture
+        assert (noisy.pixel_values[sl] - px[sl]).abs().mean() > 0.1  # not the picture
+    assert torch.equal(noise_like(media, 3, mean, std).pixel_values, noisy.pixel_values)  # the same every time
 
 
 def test_vision_bench_image_dependent_words_follow_the_generator():
@@ -223,13 +253,16 @@ def test_vision_bench_image_dependent_words_follow_the_generator():
 
     tok = vl_tok()
     seen = set()
-    for key, seq, _ in build_samples(3, n_ocr=2, n_code=6, n_video=3):
+    for key, seq, _ in build_samples(3, n_ocr=2, n_code=6, n_video=3, n_picture=3):
         kind, text = sample_kind(key), seq[-1]
         seen.add(kind)
         words = [text[a:b] for a, b in image_dependent_spans(kind, text)]
         if kind == "video":
             colour, shape, _, direction = text.split()[1:5]
             assert words == [colour, shape, direction] and colour in COLORS
+        elif kind == "picture":
+            colour, shape = text.split()[1:3]
+            assert words == [colour, shape.rstrip(".")] and colour in COLORS
         elif kind == "code":
             calls = [n for n in ast.walk(ast.parse(text.split("```python\n")[1].split("```")[0]))
                      if isinstance(n, ast.Call)]
@@ -246,4 +279,35 @@ def test_vision_bench_image_dependent_words_follow_the_generator():
             assert tok.decode(doc[tags].tolist()).replace(" ", "") == "".join(words)
             with pytest.raises(RuntimeError):
                 document_image_tags(tok, kind, seq, doc[:-2], [(at, at + 4)])
-    assert seen == {"ocr", "code", "video"}
+    assert seen == {"ocr", "code", "video", "picture"}
+
+
+def _vision_bench_json(out, capsys, *extra: str) -> tuple[int, dict]:
+    """A small real run of tools/bench_vision_learns.py in this process (400 pictures, 60 steps of 4 rows at a
+    higher learning rate than the config's, so the vision path learns in that time), everything under ``out``."""
+    import json
+
+    from tools.bench_vision_learns import main
+
+    rc = main(["--out", str(out), "--picture", "400", "--video", "0", "--steps", "60", "--eval-every", "60",
+               "--train.global_batch_size=4", "--train.micro_batch_size=4", "--optim.lr=6e-3", "--json", *extra])
+    return rc, json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_vision_bench_passes_when_the_vision_path_works(tmp_path, capsys):
+    """tools/bench_vision_learns.py on a working vision path: the caption's colour and shape words become much
+    more likely with the real picture than with noise (the text around them does not), and the tool exits 0."""
+    rc, res = _vision_bench_json(tmp_path, capsys)
+    first, last = (e["groups"] for e in (res["evals"][0], res["evals"][-1]))
+    assert res["ok"] and rc == 0, res["verdict"]
+    assert last["img"]["tokens"] > 100 and last["img"]["gap"] - first["img"]["gap"] > max(0.15, 4 * last["img"]["se"])
+    assert last["img"]["real"] < first["img"]["real"] and abs(last["text"]["gap"]) < 0.05
+
+
+def test_vision_bench_fails_when_the_encoder_output_is_zeroed(tmp_path, capsys):
+    """The negative control: the same run with the vision tower's output zeroed (--break-vision zero-encoder, a
+    forward hook) learns the text but gets nothing from the pixels -- the gap is exactly 0 -- and exits 1."""
+    rc, res = _vision_bench_json(tmp_path, capsys, "--break-vision", "zero-encoder")
+    assert rc == 1 and not res["ok"] and res["break_vision"] == "zero-encoder", res["verdict"]
+    assert all(e["groups"][g]["gap"] == 0.0 for e in res["evals"] for g in ("all", "img"))
+    assert res["evals"][-1]["groups"]["img"]["real"] < res["evals"][0]["groups"]["img"]["real"] - 5  # it trained

@@ -10,6 +10,11 @@ font draws the text, so nothing is read from the network or from system fonts):
   The program text IS what drew the picture: :func:`run_drawing` executes it.
 * **video**: a clip of 2..4 frames of a shape moving across the picture, with a caption saying what moves where.
 
+One more kind is not in the shipped corpus (``n_picture=0``; ``tools/bench_vision_learns.py`` asks for it):
+
+* **picture**: one still picture of a large shape, with a caption right after it naming its colour and shape
+  (``A red circle.``), words that only the pixels determine.
+
 All sizes are multiples of 28 px between 56 and 224 (CPU-sized; up to 64 LM tokens per media). The samples are
 written as a Megatron-Energon WebDataset (:mod:`k3train.data.multimodal.shards`), 4 shards.
 """
@@ -107,13 +112,26 @@ def clip_frames(rng: random.Random) -> tuple[list[Image.Image], str]:
     return frames, f" A {col} {shape} moves {direction} over {n} frames."
 
 
-def build_samples(seed: int = 0, n_ocr: int = 160, n_code: int = 120, n_video: int = 40
+def shape_picture(rng: random.Random) -> tuple[Image.Image, str]:
+    """A white picture of 56..112 px with one square or circle of a palette colour, 1/2 to 4/5 of the picture
+    across, anywhere it fits; the caption names the colour and the shape."""
+    size, col, shape = rng.choice(SIZES[:3]), rng.choice(COLORS), rng.choice(("square", "circle"))
+    r = rng.randint(size // 4, 2 * size // 5)
+    cx, cy = rng.randint(r, size - r), rng.randint(r, size - r)
+    im = Image.new("RGB", (size, size), "white")
+    draw = ImageDraw.Draw(im)
+    (draw.rectangle if shape == "square" else draw.ellipse)((cx - r, cy - r, cx + r, cy + r), fill=col)
+    return im, f" A {col} {shape}."
+
+
+def build_samples(seed: int = 0, n_ocr: int = 160, n_code: int = 120, n_video: int = 40, n_picture: int = 0
                   ) -> list[tuple[str, list[Any], list[bytes]]]:
-    """The samples ``[(key, sequence, pngs)]`` in a deterministic interleaved order."""
+    """The samples ``[(key, sequence, pngs)]`` in a deterministic interleaved order. ``n_picture`` (not in the
+    shipped corpus) adds that many captioned shape pictures; at 0 the samples are exactly those without it."""
     rng = random.Random(seed)
     verses = [line.split(" ", 1)[1] for d in itertools.islice(read_documents(DEFAULT_CORPUS), 60)
               for line in d.text.splitlines()[2:] if " " in line]
-    kinds = ["ocr"] * n_ocr + ["code"] * n_code + ["video"] * n_video
+    kinds = ["ocr"] * n_ocr + ["code"] * n_code + ["video"] * n_video + ["picture"] * n_picture
     rng.shuffle(kinds)
     out = []
     for i, kind in enumerate(kinds):
@@ -129,6 +147,10 @@ def build_samples(seed: int = 0, n_ocr: int = 160, n_code: int = 120, n_video: i
             code = plot_program(rng) if rng.random() < 0.4 else shape_program(rng)
             seq = [{"image": 0}, "\nThe Python program that drew this picture:\n```python\n" + code + "```\n"]
             pngs = [png_bytes(run_drawing(code))]
+        elif kind == "picture":
+            im, caption = shape_picture(rng)
+            seq = ["A picture:\n", {"image": 0}, caption + "\n"]
+            pngs = [png_bytes(im)]
         else:
             frames, caption = clip_frames(rng)
             seq = ["A short clip:\n", {"video": list(range(len(frames)))}, caption + "\n"]
