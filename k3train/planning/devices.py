@@ -98,6 +98,12 @@ class Device:
              f"{self.gpus_per_node} per node")
         if self.is_cpu:
             s += f", {self.cores} cores, {self.threads} thread(s)/rank; calibration {self.calibration.get('path', '')}"
+            taken = self.calibration.get("taken")
+            if taken:
+                s += (f"\n  calibrated {taken['time']} under {taken['key']}, 1-minute load average then "
+                      f"{taken['load1']:.2f}" + (" (over 0.5: if other work was running then, its timings and so every "
+                                                 "prediction are off: delete the file and plan again on an idle "
+                                                 "machine)" if taken["load1"] > 0.5 else ""))
         return s
 
 
@@ -418,7 +424,8 @@ def calibrate_cpu(world_size: int, path: Path, log: Any = print) -> Device:
     cal = data.get(key, {}).get("machine")
     if cal is None:
         log(f"calibrating cpu (matmul, copy, gloo between 2 processes; cached in {path}) ...")
-        cal = {"matmul_flops": bench_matmul(threads), "copy_bw": bench_copy(), **bench_gloo()}
+        taken = {"time": time.strftime("%Y-%m-%d %H:%M"), "key": key, "load1": os.getloadavg()[0]}
+        cal = {"matmul_flops": bench_matmul(threads), "copy_bw": bench_copy(), **bench_gloo(), "taken": taken}
         data.setdefault(key, {})["machine"] = cal
         save_cache(path, data)
     # ranks competing for the cores: measured up to this many processes (2 to 4 x the cores; processor sharing

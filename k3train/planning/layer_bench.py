@@ -251,10 +251,9 @@ def opt_sig(inf: Any) -> str:
     return f"{inf.kind}|{inf.layout}|{tuple(inf.param.shape)}|{inf.heads}|{tuple(inf.segments)}"
 
 
-# the trainer anchor: one process, one micro-batch per step, the real trainer (k3train.train under torchrun),
-# medians of steps 3..ANCHOR_STEPS (planning.plan.measure_step); bumped when what it runs changes
-ANCHOR_STEPS = 6
-ANCHOR_VERSION = 1
+# the trainer anchor (k3train.planning.anchor): one process, one micro-batch per step, the real trainer and the
+# isolated layers in turns; bumped when what it runs changes
+ANCHOR_VERSION = 2
 _ANCHOR_LAYOUT = ["--parallel.pp=1", "--parallel.vpp=1", "--parallel.dp=1", "--parallel.cp=1", "--parallel.ep=1",
                   "--parallel.moonep=false", "--parallel.zero=0", "--parallel.recompute=false",
                   "--parallel.pp_layers=[]", "--parallel.schedule=auto"]
@@ -266,7 +265,8 @@ class TrainerAnchor:
     process (``[B, T]`` = the config's micro-batch, one per step), against the planner's own prediction of that run:
 
     * ``fb_scale``: the trainer's forward + backward (the pipeline runner, the loss over micro-batches, autograd
-      across layers) over the sum of the isolated per-layer times at the same shape;
+      across layers) over the sum of the isolated per-layer times at the same shape, measured in turns in one
+      process (the median of the rounds' ratios);
     * ``opt_scale``: the real optimizer step (``DistributedOptimizer.step``: Muon/AdamW over every parameter, its
       bookkeeping, QK-Clip) over the sum of the isolated per-parameter updates;
     * ``grad_norm_s``: the gradient-norm phase with no peer (every parameter's squared norm, the clip scaling);
@@ -336,25 +336,30 @@ class LayerTimes:
             return self._anchor[k]
         slot = self.data.setdefault(self.host, {}).setdefault("anchor", {})
         if k not in slot:
-            from k3train.planning.plan import measure_step
+            from k3train.planning.anchor import run_anchor
 
-            self.log(f"anchoring on the real trainer: 1 process, [{B}, {T}] tokens per step, {ANCHOR_STEPS} steps ...")
-            m = measure_step(self.config, anchor_overrides(self.overrides, B), 1, steps=ANCHOR_STEPS,
-                             threads=self.threads)
-            slot[k] = {**m, "B": B, "T": T}
+            self.log(f"anchoring on the real trainer: 1 process, [{B}, {T}] tokens per step, in turns with the "
+                     f"isolated layers ...")
+            slot[k] = run_anchor(self.config, anchor_overrides(self.overrides, B), self.threads)
             self.dirty = True
-        m = slot[k]
+        rounds = slot[k]["rounds"]
+
+        def med(xs: list[float]) -> float:
+            xs = sorted(xs)
+            return xs[len(xs) // 2]
+
+        m = {key: med([r[key] for r in rounds]) for key in rounds[0]}
+        m.update(B=B, T=T)
+        fb_scale = med([r["time_forward_backward_s"] / r["isolated_fb_s"] for r in rounds])
         one = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, cp=1, ep=1),
                                   train=dataclasses.replace(cfg.train, micro_batch_size=B))
-        t = self.layers(one, B, T, 1)
-        fb = sum(x[0] + x[1] for x in [t["embed"], *t["layers"], t["head"]])
         infos = ParamFacts.build(one).infos
         opt_t = self.optimizer(one, infos)
         opt = sum(opt_t[opt_sig(inf)] for inf in infos)
         fbm, gn, om = m["time_forward_backward_s"], m["time_grad_norm_s"], m["time_optimizer_s"]
-        a = TrainerAnchor(fb_scale=fbm / fb, opt_scale=om / opt, grad_norm_s=gn,
-                          host_step_s=max(0.0, m["step_time_s"] - fbm - gn - om), measured=dict(m),
-                          predicted={"forward_backward_s": fb, "optimizer_s": opt})
+        a = TrainerAnchor(fb_scale=fb_scale, opt_scale=om / opt, grad_norm_s=gn,
+                          host_step_s=max(0.0, m["step_time_s"] - fbm - gn - om), measured=m,
+                          predicted={"forward_backward_s": m["isolated_fb_s"], "optimizer_s": opt})
         self._anchor[k] = a
         return a
 

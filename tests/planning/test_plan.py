@@ -135,9 +135,13 @@ def test_trainer_anchor_enters_every_prediction(planned):
     assert (m["B"], m["T"]) == (2, res.base_cfg.train.seq_len)  # the config's micro-batch (PIN's 2)
     assert m["step_time_s"] == pytest.approx(m["time_forward_backward_s"] + a.grad_norm_s + m["time_optimizer_s"]
                                              + a.host_step_s)
-    assert a.fb_scale * a.predicted["forward_backward_s"] == pytest.approx(m["time_forward_backward_s"])
+    # the forward + backward scale: the median of the rounds' ratios (trainer step / isolated layers, in turns)
+    rounds = lt.data[lt.host]["anchor"]
+    (run,) = [v for v in rounds.values() if v["B"] == 2]
+    ratios = sorted(r["time_forward_backward_s"] / r["isolated_fb_s"] for r in run["rounds"])
+    assert len(ratios) == 3 and a.fb_scale == ratios[1]
     assert a.opt_scale * a.predicted["optimizer_s"] == pytest.approx(m["time_optimizer_s"])
-    assert a.grad_norm_s > 0 and 0.2 < a.fb_scale < 5 and 0.2 < a.opt_scale < 5
+    assert a.grad_norm_s > 0 and 0.2 < ratios[0] and ratios[-1] < 5 and 0.2 < a.opt_scale < 5
     # the layout's prediction carries the host work (dp=2 on this host: both ranks' share of the cores)
     (row,) = res.rows
     assert row.pred.host == pytest.approx((a.grad_norm_s + a.host_step_s) / dev.rank_speed(2))
