@@ -110,14 +110,20 @@ def parse_attnres(out: str) -> dict[str, Measure]:
     raise ParseError("bench_attnres: no 'attnres' row")
 
 
+def _rows(pattern: re.Pattern, out: str, what: str) -> list[tuple[str, ...]]:
+    """The groups of every line of ``out`` that ``pattern`` matches (ParseError naming ``what`` if none)."""
+    rows = [m.groups() for m in map(pattern.match, out.splitlines()) if m]
+    if not rows:
+        raise ParseError(f"{what}: no rows")
+    return rows
+
+
 _LAYOUT = re.compile(r"^\s*(\d+)\s+([\d.]+)\s+(\d+)\s+\|\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+\|\s+([\d.]+)\s+\|")
 
 
 def parse_moonep_layout(out: str) -> dict[str, Measure]:
     """tools/bench_moonep.py layout: the slowest row's plan + layout ms (the ``fast`` column)."""
-    rows = [m.groups() for m in map(_LAYOUT.match, out.splitlines()) if m]
-    if not rows:
-        raise ParseError("bench_moonep layout: no timing rows")
+    rows = _rows(_LAYOUT, out, "bench_moonep layout")
     worst = max(rows, key=lambda r: float(r[3]))
     host = re.search(r"host: sum\(range\(1000\)\) ([\d.]+) us", out)
     return {"moonep_plan_ms": Measure(float(worst[3]), f"{float(worst[3]):.2f} ms",
@@ -132,9 +138,7 @@ def parse_moonep_memory(out: str) -> dict[str, Measure]:
     """tools/bench_moonep.py memory: MoonEP's extra bytes (held after the forwards and at the backward's peak,
     MoonEP minus plain EP) at every MoE depth and micro-batches in flight, as a fraction of its two-bank replica
     pool: flat means bounded by the pool, where the old design's held bytes grow as layers x micro-batches."""
-    rows = [tuple(map(int, m.groups())) for m in map(_MEMROW.match, out.splitlines()) if m]
-    if not rows:
-        raise ParseError("bench_moonep memory: no rows")
+    rows = [tuple(map(int, r)) for r in _rows(_MEMROW, out, "bench_moonep memory")]
     pool = max(r[4] for r in rows)
     extra = max(max(r[2], r[3]) for r in rows)
     held = [r[2] for r in rows]
@@ -151,9 +155,7 @@ _CKPT = re.compile(r"^\s*(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]
 
 def parse_checkpoint(out: str) -> dict[str, Measure]:
     """tools/bench_checkpoint.py: sync stall / async stall, the smaller over the process counts."""
-    rows = [m.groups() for m in map(_CKPT.match, out.splitlines()) if m]
-    if not rows:
-        raise ParseError("bench_checkpoint: no result rows")
+    rows = _rows(_CKPT, out, "bench_checkpoint")
     worst = min(rows, key=lambda r: float(r[6]))
     detail = "; ".join(f"{r[0]} proc: sync {r[3]} s, async {r[5]} s ({r[1]} MiB, step {r[2]} s)" for r in rows)
     return {"checkpoint_async": Measure(float(worst[6]), f"{float(worst[6]):.1f}x", detail)}
