@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from k3train.config import Config, load_config
+from shipped_data import shipped_view
 from k3train.data.batch import Batch
 from k3train.data.corpus import DEFAULT_CORPUS, read_documents
 from k3train.data.tokenizer import load_tokenizer
@@ -48,7 +49,8 @@ class Layout:
                 f"--parallel.pp={self.pp}", f"--parallel.vpp={self.vpp}", f"--parallel.cp={self.cp}",
                 f"--parallel.ep={self.ep}", f"--parallel.moonep={str(self.moonep).lower()}",
                 f"--train.seq_len={SEQ_LEN}", f"--train.global_batch_size={GBS}",
-                f"--train.micro_batch_size={MBS}", "--train.device=cpu", "--train.dtype=float32"]
+                f"--train.micro_batch_size={MBS}", "--train.device=cpu", "--train.dtype=float32",
+                f"--data.path={shipped_view('corpus_text_document')}"]
 
 
 def make_cfg(layout: Layout | None = None, residual: str = "attnres") -> Config:

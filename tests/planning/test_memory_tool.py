@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from shipped_data import shipped_view
+
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = [sys.executable, str(ROOT / "tools" / "memory.py")]
 KEYS = {"rank", "pp_rank", "dp_rank", "cp_rank", "ep_rank", "params", "grads", "optimizer", "activations",
@@ -34,7 +36,8 @@ def _limit_memory() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (6 * 2**30, 6 * 2**30))
 
 
-SHORT = ["--train.seq_len=64", "--train.global_batch_size=4"]  # the tiny config on 4 x 64 tokens per step
+# the tiny config on 4 x 64 tokens per step, on a private view of the shipped corpus (--measure trains)
+SHORT = ["--train.seq_len=64", "--train.global_batch_size=4", f"--data.path={shipped_view('corpus_text_document')}"]
 LAYOUTS = {
     "pp2_vpp2_uneven": ["--parallel.pp=2", "--parallel.vpp=2", "--parallel.pp_layers=[3,1,2,2]"],
     "dp2_ep2_zero2_moonep": ["--parallel.dp=2", "--parallel.ep=2", "--parallel.zero=2", "--parallel.moonep=true"],
@@ -51,9 +54,10 @@ RUNS = {
     "pp2_vpp2_uneven": ["--config", "configs/tiny.yaml", "--world-size", "2", *LAYOUTS["pp2_vpp2_uneven"], *SHORT,
                         "--measure", "--steps", "3", "--json"],
     "k3": ["--config", "configs/k3.yaml", "--world-size", "512", "--parallel.pp=8", "--parallel.dp=64",
-           "--parallel.ep=64", "--parallel.zero=1", "--train.seq_len=16384", "--train.global_batch_size=64", "--json"],
+           "--parallel.ep=64", "--parallel.zero=1", "--train.seq_len=16384", "--train.global_batch_size=64", "--json",
+           f"--data.path={shipped_view('corpus_text_document')}"],
     "vision": ["--config", VL, "--world-size", "2", "--parallel.pp=2", "--train.global_batch_size=4", "--media",
-               "data", "--measure", "--steps", "3", "--json"],
+               "data", "--measure", "--steps", "3", "--json", f"--data.path={shipped_view('mm')}"],
 }
 PREEXEC = {"k3": _limit_memory}
 TEST_RUNS = {"test_estimate_within_10_percent_of_measured": None,  # None: the parametrized layout's name

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from shipped_data import shipped_view
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny.yaml")
 
@@ -59,7 +61,7 @@ def test_enumeration_is_exactly_the_valid_layouts():
 
 # one layout at world 2 (dp=2), every dimension pinned; planned once (calibration + one memory trace)
 PIN = ["--parallel.pp=1", "--parallel.dp=2", "--parallel.ep=1", "--parallel.zero=1", "--parallel.recompute=false",
-       "--train.micro_batch_size=2"]
+       "--train.micro_batch_size=2", f"--data.path={shipped_view('corpus_text_document')}"]  # --measure trains
 
 
 @pytest.fixture(scope="module")
