@@ -10,9 +10,14 @@ Per token ``x [d]``, ``H`` heads, ``Dn = qk_nope_head_dim``, ``Dr = qk_rope_head
     y      = W_o [sigmoid(W_g x) * o]
 
 NoPE (``mla_use_nope``): no rotary embedding is applied; the "rope" slot keeps its dimensions (it is part of the
-cached latent and of the q.k product) so checkpoints keep the published shapes. The attention itself is one
-function, :func:`attention_core`, computed in fp32 (K3 keeps attention outputs in FP32 in training), so a GPU flash
-kernel can replace it. Parameter names follow HF DeepSeek-V3 (``q_a_proj`` = W_dq, ``q_b_proj`` = W_uq,
+cached latent and of the q.k product) so checkpoints keep the published shapes. The attention is computed in
+fp32 (K3 keeps attention outputs in FP32 in training). By default it runs blockwise
+(:func:`k3train.ops.mla_blockwise.blockwise_mla_attention`, ``model.mla_block_size``): flash-attention structure,
+keys and values expanded from the latent one key block at a time, blocks the mask empties skipped, the QK-Clip max
+from the same pass -- nothing of size ``[Tq, Tk]`` and no all-keys K/V, so 1M-token contexts fit. The readable
+dense reference is :func:`attention_core` (+ :func:`masked_logit_max`) on the fully expanded K/V; setting
+``MLA.attention_op`` to it (or to any op of its signature, e.g. a GPU flash kernel: k3train/ops/dispatch.py)
+switches a layer to that path. Parameter names follow HF DeepSeek-V3 (``q_a_proj`` = W_dq, ``q_b_proj`` = W_uq,
 ``kv_a_proj_with_mqa`` = W_dkv, ``kv_b_proj`` = W_ukv); the gate is ``g_proj``.
 
 QK-Clip: ``qk_max [H]`` (non-persistent buffer) holds the running max of pre-softmax logits per head since the
@@ -21,7 +26,7 @@ optimizer last reset it, updated under ``no_grad`` in training when ``track_qk_m
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +34,7 @@ from torch import nn
 
 from k3train.model.norm import RMSNorm
 from k3train.model.seq import SeqInfo
+from k3train.ops.mla_blockwise import blockwise_mla_attention
 from k3train.optim.param_groups import mark_per_head
 
 
@@ -62,11 +68,12 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_info:
 
 @torch.no_grad()
 def masked_logit_max(q: torch.Tensor, k: torch.Tensor, mask_info: MaskInfo, scale: float) -> torch.Tensor:
-    """Max pre-softmax logit per head over the allowed (query, key) pairs: ``[H]`` (fp32).
+    """Max pre-softmax logit per head over the allowed (query, key) pairs: ``[H]`` (fp32; fp64 for fp64 inputs).
 
-    A separate matmul (only run when QK-Clip tracking is on); a flash kernel would return it as a by-product.
+    A separate matmul (the dense reference's; the blockwise path returns it from its forward pass).
     """
-    logits = torch.einsum("bhqd,bhkd->bhqk", q.float(), k.float()) * scale
+    dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    logits = torch.einsum("bhqd,bhkd->bhqk", q.to(dt), k.to(dt)) * scale
     logits = logits.masked_fill(~mask_info.dense(), float("-inf"))
     return logits.amax(dim=(0, 2, 3))
 
@@ -76,7 +83,13 @@ class MLA(nn.Module):
 
     Communication: none by itself; under CP it calls ``seq.cp.gather_latent(latent)`` (autograd-aware all-gather of
     the ``[B, T, kv_lora_rank + qk_rope_head_dim]`` latent over the CP group held by that object).
+
+    ``attention_op``: None (the blockwise path, ``model.mla_block_size``), or an op with :func:`attention_core`'s
+    signature on the expanded K/V -- :func:`attention_core` itself (the dense reference) or a flash kernel that
+    k3train/ops/dispatch.py sets per layer.
     """
+
+    attention_op: Callable[..., torch.Tensor] | None = None
 
     def __init__(self, cfg: Any) -> None:
         super().__init__()
@@ -106,6 +119,7 @@ class MLA(nn.Module):
         self.mark_param_attrs()
         self.register_buffer("qk_max", torch.zeros(H), persistent=False)
         self.track_qk_max = True
+        self.block_size = int(cfg.mla_block_size)
 
     def mark_param_attrs(self) -> None:
         """Per-head Muon: rows of W_uq are [head][nope+rope]; rows of W_ukv are [head][k_nope ; v], and the k_nope
@@ -153,6 +167,10 @@ class MLA(nn.Module):
         k = torch.cat([k_nope, k_pe[:, :, None, :].expand(B, Tk, H, self.rope_dim)], dim=-1)
         return k, v
 
+    def expand_weights(self) -> tuple[torch.Tensor, ...]:
+        """The parameters :meth:`expand_latent` reads (the blockwise op returns their gradients)."""
+        return (self.kv_a_layernorm.weight, self.kv_b_proj.weight)
+
     def forward(self, x: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.project_q(x)
@@ -161,12 +179,20 @@ class MLA(nn.Module):
             latent, key_doc, key_pos = seq.cp.gather_latent(latent)
         else:
             key_doc, key_pos = seq.doc_ids, seq.positions
-        k, v = self.expand_latent(latent)
         mask = MaskInfo(q_doc=seq.doc_ids, q_pos=seq.positions, k_doc=key_doc, k_pos=key_pos)
-        qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
-        if self.training and self.track_qk_max:
-            self.qk_max.copy_(torch.maximum(self.qk_max, masked_logit_max(qh, kh, mask, self.scale)))
-        o = attention_core(qh, kh, vh, mask, self.scale)  # fp32 [B, H, T, Dv]
+        qh = q.transpose(1, 2)  # [B, H, T, Dqk]
+        track = self.training and self.track_qk_max
+        if self.attention_op is None:
+            o, max_logit = blockwise_mla_attention(qh, latent, mask, self.scale, self.block_size,
+                                                   self.expand_latent, self.expand_weights())
+        else:
+            k, v = self.expand_latent(latent)
+            kh, vh = k.transpose(1, 2), v.transpose(1, 2)
+            max_logit = masked_logit_max(qh, kh, mask, self.scale) if track else None
+            o = self.attention_op(qh, kh, vh, mask, self.scale)  # fp32 [B, H, T, Dv]
+        if track:
+            with torch.no_grad():
+                self.qk_max.copy_(torch.maximum(self.qk_max, max_logit.to(self.qk_max.dtype)))
         o = o.transpose(1, 2).reshape(B, T, self.num_heads * self.v_dim)
         if self.use_output_gate:
             o = torch.sigmoid(self.g_proj(x)) * o
