@@ -178,6 +178,12 @@ class TrainConfig:
     # torch intra-op threads per CPU rank; 0 = OMP_NUM_THREADS if exported, else this process's cores shared among
     # the ranks on its host (k3train/dist_env.py: choose_num_threads)
     num_threads: int = 0
+    # kernel of each op (k3train/ops/dispatch.py; the choice is logged at start-up): "auto" picks by device, dtype and
+    # what is installed (CPU: always the pure-torch op). kda: "torch" | "fla" (fla chunk_kda, CUDA); mla: "dense" |
+    # "blockwise" | "flex" (FlexAttention, CUDA); experts: "grouped_mm" (torch._grouped_mm) | "padded_bmm" | "loop"
+    kda_kernel: str = "auto"
+    mla_kernel: str = "auto"
+    experts_kernel: str = "auto"
     # derived
     grad_accum_steps: int = field(default=0, metadata={"derived": True})
 
@@ -467,6 +473,13 @@ class Config:
 
         # CPU threads per rank (k3train/dist_env.py)
         need(t.num_threads >= 0, "train.num_threads", f"must be >= 0 (0 = automatic), got {t.num_threads}")
+
+        # kernels per op (k3train/ops/dispatch.py): unknown backends, or one forced where it cannot run
+        from k3train.ops.dispatch import check_kernel_settings
+
+        bad_kernel = check_kernel_settings(self)
+        if bad_kernel is not None:
+            need(False, bad_kernel[0], bad_kernel[1])
 
         # optim
         need(o.name in ("muon", "adamw"), "optim.name", f"must be 'muon' or 'adamw', got {o.name!r}")

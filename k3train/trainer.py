@@ -64,6 +64,19 @@ class _RankZeroWarnings(logging.Filter):
         return record.levelno >= logging.ERROR or bool(getattr(record, "rank_specific", False))
 
 
+def _apply_kernels(cfg: Config, pm: ParallelModel, device: torch.device) -> dict[str, Any]:
+    """Choose each op's kernel for this device (k3train/ops/dispatch.py), point the built layers at it, and log
+    one line per op (``kda: fla chunk_kda (triton)`` / ``kda: k3train chunked (torch)``, ``mla: ...``, ...)."""
+    from k3train.ops.dispatch import Installed, apply_kernels, choose_kernels, describe_kernels, kernel_settings, \
+        target_for
+
+    choices = choose_kernels(kernel_settings(cfg.train), target_for(cfg, device), Installed.probe())
+    apply_kernels(pm.modules, choices, cfg.model)
+    for line in describe_kernels(choices):
+        log.info("%s", line)
+    return choices
+
+
 class Trainer:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -85,6 +98,7 @@ class Trainer:
         seed_everything(cfg.train.seed)
 
         self.pm: ParallelModel = parallelize(cfg, self.dims, self.env.device)
+        self.kernels = _apply_kernels(cfg, self.pm, self.env.device)
         from k3train.optim import build_optimizer, lr_at
 
         self._lr_at = lr_at

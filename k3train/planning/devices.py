@@ -117,6 +117,26 @@ PUBLISHED = {
 }
 DEVICE_NAMES = ("cpu", *PUBLISHED)
 
+# torch.cuda.get_device_name -> published dense bf16 peak per GPU (the MFU denominator on CUDA, k3train/metrics.py).
+# First match of a lower-case substring wins, so the PCIe / NVL H100 parts (lower clocks) come before plain "h100"
+# (SXM: "NVIDIA H100 80GB HBM3").
+CUDA_BF16_PEAKS: tuple[tuple[str, float], ...] = (
+    ("h100 pcie", 756e12),
+    ("h100 nvl", 835e12),
+    ("h100", PUBLISHED["h100"].peak_flops),
+    ("h200", PUBLISHED["h200"].peak_flops),
+    ("b200", PUBLISHED["b200"].peak_flops),
+)
+
+
+def published_bf16_peak(device_name: str) -> tuple[str, float] | None:
+    """``(matched part, dense bf16 FLOP/s)`` for a CUDA device name such as ``"NVIDIA H200"``, else None."""
+    low = device_name.lower()
+    for part, flops in CUDA_BF16_PEAKS:
+        if part in low:
+            return part, flops
+    return None
+
 
 def apply_fields(dev: Device, items: list[str]) -> Device:
     """``["peak_flops=1e15", ...]`` -> a copy with those fields set (ConfigError naming a bad one)."""
