@@ -74,6 +74,9 @@ class ModelConfig:
     v_head_dim: int = 128
     mla_use_nope: bool = True
     mla_use_output_gate: bool = True
+    # query/key block of the blockwise MLA attention (k3train/ops/mla_blockwise.py): the per-block transient is
+    # ~H x block^2 fp32 scores; blocks the causal + document mask empties are skipped
+    mla_block_size: int = 512
     # KDA (Kimi Delta Attention)
     kda_num_heads: int = 96
     kda_head_dim: int = 128
@@ -366,6 +369,8 @@ class Config:
             need(m.routed_expert_hidden_size > 0, "model.routed_expert_hidden_size", "must be > 0")
         # variants the published configs name but K3 does not use: rejected here, before any work starts
         need(m.mla_use_nope, "model.mla_use_nope", "false (rotary MLA) is not implemented; K3 uses NoPE")
+        need(isinstance(m.mla_block_size, int) and m.mla_block_size > 0, "model.mla_block_size",
+             f"must be a positive integer (the blockwise MLA attention's block), got {m.mla_block_size!r}")
         need(m.use_full_rank_gate, "model.use_full_rank_gate",
              "false (Kimi Linear's low-rank output gate) is not implemented; K3 uses the full-rank gate")
         need(not m.tie_word_embeddings, "model.tie_word_embeddings", "true is not supported (K3 unties them)")
