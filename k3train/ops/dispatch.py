@@ -8,8 +8,8 @@ op        backends (``train.<op>_kernel``)                       ``auto`` picks
 ========  =====================================================  ==========================================
 kda       ``torch`` (k3train chunked), ``fla`` (fla chunk_kda)    fla on CUDA + bf16 when fla and triton are
                                                                  installed and KCP is off; else torch
-mla       ``dense`` (reference), ``blockwise`` (torch, long       flex on CUDA once model/mla.py takes an
-          context), ``flex`` (FlexAttention, document mask)      attention backend; else blockwise if present,
+mla       ``dense`` (reference), ``blockwise`` (torch, long       flex on CUDA (FlexAttention and triton
+          context), ``flex`` (FlexAttention, document mask)      present); else blockwise if present,
                                                                  else dense
 experts   ``grouped_mm`` (torch._grouped_mm), ``padded_bmm``,     grouped_mm where torch has it (CUDA: bf16,
           ``loop`` (per-expert reference)                        sm90+), else padded_bmm
@@ -55,9 +55,8 @@ class KernelSettingError(ValueError):
 
 @dataclass(frozen=True)
 class Installed:
-    """What this process could use. ``mla_op_hook``: ``k3train.model.mla.MLA`` has an ``attention_backend``
-    attribute (``'dense'`` / ``'blockwise'`` / ``'flex'``) that its forward dispatches on and :func:`apply_kernels`
-    sets; until the layer has it, MLA always runs its dense reference and the selection says so."""
+    """What this process could use. ``mla_op_hook``: ``k3train.model.mla.MLA`` has the ``attention_op`` attribute
+    (None: the blockwise path; else an op with ``attention_core``'s signature) that :func:`apply_kernels` sets."""
 
     fla: bool = False
     triton: bool = False
@@ -79,7 +78,7 @@ class Installed:
 
         return cls(fla=has("fla"), triton=has("triton"), grouped_mm=hasattr(torch, "_grouped_mm"),
                    flex_attention=has("torch.nn.attention.flex_attention"),
-                   mla_blockwise=has("k3train.ops.mla_blockwise"), mla_op_hook=hasattr(MLA, "attention_backend"))
+                   mla_blockwise=has("k3train.ops.mla_blockwise"), mla_op_hook=hasattr(MLA, "attention_op"))
 
 
 @dataclass(frozen=True)
@@ -115,7 +114,7 @@ _LABELS = {
     ("mla", "dense"): "dense reference (torch sdpa, fp32)",
     ("mla", "blockwise"): "k3train blockwise (torch)",
     ("mla", "flex"): "FlexAttention, document BlockMask (triton)",
-    ("experts", "grouped_mm"): "torch._grouped_mm",
+    ("experts", "grouped_mm"): "torch._grouped_mm (padded bmm for rows not 16-byte aligned)",
     ("experts", "padded_bmm"): "padded bmm (torch)",
     ("experts", "loop"): "per-expert loop reference (torch)",
 }
@@ -175,8 +174,8 @@ def _kda(want: str, t: Target, inst: Installed) -> KernelChoice:
 def _mla(want: str, t: Target, inst: Installed) -> KernelChoice:
     key = "train.mla_kernel"
     if want in ("blockwise", "flex") and not inst.mla_op_hook:
-        raise KernelSettingError(key, f"{want!r} is not wired into k3train/model/mla.py yet (MLA has no "
-                                      "attention_backend); use 'auto' or 'dense'")
+        raise KernelSettingError(key, f"{want!r} is not wired into k3train/model/mla.py (MLA has no "
+                                      "attention_op); use 'auto' or 'dense'")
     if want == "blockwise" and not inst.mla_blockwise:
         raise KernelSettingError(key, "'blockwise' needs k3train.ops.mla_blockwise, which is not present")
     flex_why_not = None
@@ -193,8 +192,7 @@ def _mla(want: str, t: Target, inst: Installed) -> KernelChoice:
         return KernelChoice("mla", want, _LABELS["mla", want], "forced by train.mla_kernel")
     if not inst.mla_op_hook:
         return KernelChoice("mla", "dense", _LABELS["mla", "dense"],
-                            "k3train/model/mla.py does not take an attention backend yet"
-                            if t.device_type == "cuda"
+                            "k3train/model/mla.py does not take an attention op" if t.device_type == "cuda"
                             else "")
     if flex_why_not is None:
         return KernelChoice("mla", "flex", _LABELS["mla", "flex"])
@@ -221,8 +219,7 @@ def _experts(want: str, t: Target, inst: Installed) -> KernelChoice:
     if want in ("padded_bmm", "loop"):
         return KernelChoice("experts", want, _LABELS["experts", want], "forced by train.experts_kernel")
     if why_not is None:
-        return KernelChoice("experts", "grouped_mm", _LABELS["experts", "grouped_mm"],
-                            "padded bmm for shapes whose rows are not 16-byte aligned")
+        return KernelChoice("experts", "grouped_mm", _LABELS["experts", "grouped_mm"])
     return KernelChoice("experts", "padded_bmm", _LABELS["experts", "padded_bmm"], why_not)
 
 
@@ -270,9 +267,9 @@ def apply_kernels(modules: Iterable[nn.Module], choices: dict[str, KernelChoice]
       touched; the selection never picks fla under KCP.
     * experts: ``impl`` of every MoE layer's dispatcher (the local one or the EP one); ``grouped_mm`` maps to
       ``'auto'`` so rows that break ``torch._grouped_mm``'s 16-byte alignment still fall back per call.
-    * mla: ``MLA.attention_backend`` (``'dense'`` / ``'blockwise'`` / ``'flex'``) where the layer has that attribute
-      (see :class:`Installed`); its forward calls :func:`k3train.model.mla.attention_core`,
-      :func:`k3train.ops.mla_blockwise.blockwise_mla_attention` or :func:`k3train.ops.mla_flex.flex_attention_with_max`.
+    * mla: ``MLA.attention_op``: None for ``blockwise`` (the layer's own
+      :func:`k3train.ops.mla_blockwise.blockwise_mla_attention`), :func:`k3train.model.mla.attention_core` for
+      ``dense``, :func:`k3train.ops.mla_flex.flex_attention_core` for ``flex``.
     """
     from k3train.model.kda import KDALayer
     from k3train.model.mla import MLA
@@ -285,14 +282,20 @@ def apply_kernels(modules: Iterable[nn.Module], choices: dict[str, KernelChoice]
         bound = float(model_cfg.gate_lower_bound) if model_cfg.kda_decay_form == "lower_bounded" else None
         kda_op = functools.partial(fla_chunk_kda, g_lower_bound=bound)
     mla_backend = choices["mla"].backend
+    if mla_backend == "flex":
+        from k3train.ops.mla_flex import flex_attention_core as mla_op
+    elif mla_backend == "dense":
+        from k3train.model.mla import attention_core as mla_op
+    else:
+        mla_op = None  # blockwise: the layer's default path
     impl = _EXPERTS_IMPL.get(choices["experts"].backend)
     for root in modules:
         for mod in root.modules():
             if kda_op is not None and isinstance(mod, KDALayer):
                 mod.kda_op = kda_op
                 counts["kda"] += 1
-            elif isinstance(mod, MLA) and hasattr(mod, "attention_backend"):
-                mod.attention_backend = mla_backend
+            elif isinstance(mod, MLA) and hasattr(mod, "attention_op"):
+                mod.attention_op = mla_op
                 counts["mla"] += 1
             disp = getattr(mod, "dispatcher", None)
             if impl is not None and disp is not None and hasattr(disp, "impl"):

@@ -16,9 +16,13 @@ Conventions, checked against fla's ``chunk_kda`` (fla/ops/kda/chunk.py):
   ``A_log`` and the decay projection. fla's in-kernel gate with ``lower_bound`` set computes
   ``lower_bound * sigmoid(exp(A_log) * (g_raw + dt_bias))`` -- the same function with ``g_raw = W_a_up W_a_down x``
   and ``dt_bias = b_a`` -- a possible later fusion; the softplus ablation and KCP need the explicit ``g`` anyway.
-* ``safe_gate=True, lower_bound=g_min`` tells the kernel every ``g >= g_min`` so it may use its M=16 tensor-core
-  sub-tiles; K3's lower-bounded gate guarantees ``g in (g_min, 0)``. fla accepts bounds in ``[-5, 0)``; any other
-  bound, or the unbounded softplus gate (``g_lower_bound=None``), runs with ``safe_gate=False``.
+* ``safe_gate=True`` tells the kernel every ``g >= -5`` so it may use its M=16 tensor-core sub-tiles (fla's own
+  varlen test runs it so, on a precomputed ``g`` clamped to ``[-5, 0]``; ``lower_bound`` only parameterises the
+  in-kernel gate and is not passed). K3's lower-bounded gate guarantees ``g in (g_min, 0)``: safe for
+  ``g_min in [-5, 0)``; any other bound, or the unbounded softplus gate (``g_lower_bound=None``), runs with
+  ``safe_gate=False``.
+* ``beta`` is passed in q's dtype (the layer computes it in fp32; fla's kernels and tests take it in the
+  activation dtype); autograd returns its gradient in fp32.
 * fla chunks by 64 tokens regardless of ``model.kda_chunk_size`` (the result is the same math; only rounding
   differs).
 
@@ -26,6 +30,7 @@ KCP does not use this op: it needs each segment's ``(M, S~)`` (k3train/ops/kda.p
 """
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 __all__ = ["fla_chunk_kda", "fla_safe_gate"]
@@ -48,16 +53,17 @@ def fla_chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, s
     from fla.ops.kda import chunk_kda  # CUDA only; imported on first call so CPU machines never import triton
 
     safe = fla_safe_gate(g_lower_bound)
+    if q.dtype in (torch.bfloat16, torch.float16):
+        beta = beta.to(q.dtype)
     o, final = chunk_kda(
         q, k, v, g, beta,
         scale=scale if scale is not None else q.shape[-1] ** -0.5,
         initial_state=None if initial_state is None else initial_state.float(),
         output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=False,  # the layer already L2-normalises q and k
-        use_gate_in_kernel=False,  # g is the log decay itself (see the module docstring)
-        use_beta_sigmoid_in_kernel=False,  # beta is already sigmoid(W_b x)
+        # left at fla's defaults (not passed, so older fla releases take the call too): use_qk_l2norm_in_kernel
+        # (the layer L2-normalises q and k), use_gate_in_kernel (g is the log decay itself, module docstring),
+        # use_beta_sigmoid_in_kernel (beta is already sigmoid(W_b x))
         safe_gate=safe,
-        lower_bound=float(g_lower_bound) if safe else None,
         cu_seqlens=None if cu_seqlens is None else cu_seqlens.long(),
     )
     return o, (final if output_final_state else None)

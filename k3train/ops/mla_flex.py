@@ -2,7 +2,7 @@
 
 Same contract as the dense reference :func:`k3train.model.mla.attention_core` (``q [B, H, Tq, Dqk]``,
 ``k [B, H, Tk, Dqk]``, ``v [B, H, Tk, Dv]``, :class:`~k3train.model.mla.MaskInfo` -> ``[B, H, Tq, Dv]`` fp32;
-K3: Dqk = 128 + 64 = 192, Dv = 128), so ``MLA.attention_backend = "flex"`` can stand for it
+K3: Dqk = 128 + 64 = 192, Dv = 128), so it can be ``MLA.attention_op``
 (k3train/ops/dispatch.py picks).
 
 The mask is ``key_pos <= query_pos and key_doc == query_doc`` from the batch's document ids and positions -- the

@@ -40,9 +40,9 @@ def test_cuda_bf16_picks_the_field_kernels_when_installed():
     no_fla = choose_kernels({}, H200_BF16, Installed(grouped_mm=True))
     assert no_fla["kda"].backend == "torch" and "not both installed" in no_fla["kda"].reason
     assert no_fla["kda"].line().startswith("kda: k3train chunked (torch)")
-    # MLA stays on the dense reference until model/mla.py dispatches on attention_backend, and says why
+    # an MLA layer without the attention_op hook can only be its dense self, and the selection says why
     unwired = choose_kernels({}, H200_BF16, Installed(fla=True, triton=True, flex_attention=True))["mla"]
-    assert unwired.backend == "dense" and "attention backend" in unwired.reason
+    assert unwired.backend == "dense" and "attention op" in unwired.reason
 
 
 def test_cuda_fp32_and_old_gpus_keep_exact_or_supported_paths():
@@ -110,6 +110,9 @@ def test_apply_kernels_points_the_built_layers_at_the_choice():
 
     cfg = load_config(TINY)
     model = K3Model(cfg.model)
+    from k3train.model.mla import MLA, attention_core
+    from k3train.ops.mla_flex import flex_attention_core
+
     choices = {"kda": KernelChoice("kda", "fla", "fla"), "mla": KernelChoice("mla", "dense", "dense"),
                "experts": KernelChoice("experts", "loop", "loop")}
     counts = apply_kernels([model], choices, cfg.model)
@@ -119,6 +122,11 @@ def test_apply_kernels_points_the_built_layers_at_the_choice():
                and m.kda_op.keywords == {"g_lower_bound": -5.0} for m in kda_layers)
     dispatchers = [m.dispatcher for m in model.modules() if hasattr(m, "dispatcher")]
     assert counts["experts"] == len(dispatchers) > 0 and all(d.impl == "loop" for d in dispatchers)
+    mlas = [m for m in model.modules() if isinstance(m, MLA)]
+    assert counts["mla"] == len(mlas) > 0 and all(m.attention_op is attention_core for m in mlas)
+    for backend, op in (("flex", flex_attention_core), ("blockwise", None)):
+        apply_kernels([model], {**choices, "mla": KernelChoice("mla", backend, backend)}, cfg.model)
+        assert all(m.attention_op is op for m in mlas)
     # the fla op refuses CPU tensors with one line before importing anything
     x = torch.zeros(1, 4, 1, 16)
     with pytest.raises(RuntimeError, match="needs CUDA tensors"):
