@@ -187,6 +187,11 @@ class TrainConfig:
     kda_kernel: str = "auto"
     mla_kernel: str = "auto"
     experts_kernel: str = "auto"
+    # quantization-aware training of the routed experts (k3train/quant/qat.py): "none" | "mxfp4" (weights: E2M1,
+    # one E8M0 scale per 32 along each matmul's reduction dim, straight-through gradient); with it, optionally
+    # qat_activations "mxfp8" (the expert matmuls' activation operands in E4M3, 32 per scale)
+    qat: str = "none"
+    qat_activations: str = "none"
     # derived
     grad_accum_steps: int = field(default=0, metadata={"derived": True})
 
@@ -485,6 +490,19 @@ class Config:
         bad_kernel = check_kernel_settings(self)
         if bad_kernel is not None:
             need(False, bad_kernel[0], bad_kernel[1])
+
+        # QAT of the routed experts (k3train/quant/qat.py): MX blocks of 32 along both reduction dims (l and f)
+        need(t.qat in ("none", "mxfp4"), "train.qat", f"must be 'none' or 'mxfp4', got {t.qat!r}")
+        need(t.qat_activations in ("none", "mxfp8"), "train.qat_activations",
+             f"must be 'none' or 'mxfp8', got {t.qat_activations!r}")
+        need(t.qat_activations == "none" or t.qat != "none", "train.qat_activations",
+             f"{t.qat_activations} expert inputs are part of QAT: set train.qat=mxfp4 as well",
+             "train.qat_activations", "train.qat")
+        if t.qat != "none" and has_moe:
+            for k in ("routed_expert_hidden_size", "moe_intermediate_size"):
+                need(getattr(m, k) % 32 == 0, "train.qat",
+                     f"{t.qat} quantizes the routed experts in blocks of 32 along their reduction dims, but "
+                     f"model.{k}={getattr(m, k)} is not a multiple of 32", "train.qat", f"model.{k}")
 
         # optim
         need(o.name in ("muon", "adamw"), "optim.name", f"must be 'muon' or 'adamw', got {o.name!r}")

@@ -225,6 +225,10 @@ def parallelize(cfg: Config, dims: ParallelDims, device: torch.device) -> Parall
 
         ep_state = apply_expert_parallel(runner.modules, dims, moonep=cfg.parallel.moonep)
         log_moe_layers(runner.modules, dims, cfg.parallel.moonep)
+        if cfg.train.qat != "none" or cfg.train.qat_activations != "none":
+            from k3train.quant.qat import apply_qat  # MXFP4 QAT of the routed experts (own shards and replicas)
+
+            apply_qat(runner.modules, cfg.train.qat, cfg.train.qat_activations)
     if cfg.train.dtype == "bfloat16":
         cast_params_to_bf16(runner.modules)
     flops = model_flops_per_token(cfg.model, cfg.train.seq_len)

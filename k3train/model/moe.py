@@ -10,6 +10,7 @@ Pieces, each usable on its own:
   expert-parallel dispatcher reuses them).
 - :func:`grouped_expert_ffn`: SiTU-GLU FFN of every local expert over its contiguous slice of the sorted rows,
   via ``torch._grouped_mm`` (padded ``bmm`` where that kernel does not apply); readable references beside it.
+  The one place an expert matmul consumes weights, so MXFP4 QAT (:mod:`k3train.quant.qat`) applies there.
 - :class:`LocalDispatcher`: the single-device dispatcher; ``LatentMoE.dispatcher`` is replaced from outside by
   expert parallelism with an object of the same call signature.
 
@@ -27,6 +28,7 @@ from torch import nn
 
 from k3train.model.ffn import DenseFFN, situ_glu
 from k3train.model.norm import RMSNorm
+from k3train.quant.qat import NO_QUANT, ExpertQuant
 from k3train.ops.quantile_balancing import (
     ema_update,
     max_violation,
@@ -267,7 +269,8 @@ def _gmm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tenso
 
 
 def _padded_bmm_ffn(x: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-                    w_down: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
+                    w_down: torch.Tensor, beta: float, linear_beta: float,
+                    quant: ExpertQuant = NO_QUANT) -> torch.Tensor:
     # Fallback: scatter the rows into [E, capacity, l] with capacity = the largest group, three bmm's, gather back.
     n_rows, num_experts = x.shape[0], offsets.numel()
     offs = offsets.to(torch.long)
@@ -278,18 +281,23 @@ def _padded_bmm_ffn(x: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor
     slot = torch.arange(n_rows, device=x.device) - (offs - counts)[expert_of_row]
     xp = x.new_zeros(num_experts, capacity, x.shape[1]).index_put((expert_of_row, slot), x)
     h = situ_glu(torch.bmm(xp, w_gate), torch.bmm(xp, w_up), beta, linear_beta)
-    return torch.bmm(h, w_down)[expert_of_row, slot]
+    return torch.bmm(quant.input(h), w_down)[expert_of_row, slot]  # per-row blocks: padding rows stay apart
 
 
 def grouped_expert_ffn(x_sorted: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                        w_down: torch.Tensor, situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
-                       impl: str = "auto") -> torch.Tensor:
+                       impl: str = "auto", quant: ExpertQuant | None = None) -> torch.Tensor:
     """SiTU-GLU FFN of expert e on rows ``offsets[e-1]:offsets[e]`` of ``x_sorted`` (``offsets[-1] == N``).
 
     ``x_sorted[N, l]``, ``offsets[E]`` int32 cumulative ends, ``w_gate[E, l, f]``, ``w_up[E, l, f]``,
     ``w_down[E, f, l]`` -> ``[N, l]`` in ``x_sorted.dtype`` (weights are cast to it). Empty experts are fine. ``impl``: ``'grouped_mm'``
     (``torch._grouped_mm``), ``'padded_bmm'`` (capacity = max group size), ``'loop'`` (the per-expert reference)
     or ``'auto'`` (grouped_mm where its dtype/alignment rules hold, else padded_bmm). No communication.
+
+    ``quant`` (QAT, :class:`k3train.quant.qat.ExpertQuant`): every weight is fake-quantized (MXFP4, blocks of 32
+    along its reduction dim ``l`` resp. ``f``) before the cast to the activation dtype, and -- with MXFP8 inputs --
+    the activation operand of each of the three matmuls (``x`` and ``h``, blocks along their last dim); the
+    gradients pass straight through.
     """
     if x_sorted.dim() != 2 or w_gate.dim() != 3 or w_gate.shape != w_up.shape:
         raise ValueError(f"grouped_expert_ffn: expected x[N, l], w_gate/w_up[E, l, f], got {tuple(x_sorted.shape)},"
@@ -298,6 +306,11 @@ def grouped_expert_ffn(x_sorted: torch.Tensor, offsets: torch.Tensor, w_gate: to
     if w_down.shape != (num_experts, f_dim, l_dim) or x_sorted.shape[1] != l_dim or offsets.shape != (num_experts,):
         raise ValueError(f"grouped_expert_ffn: inconsistent shapes x{tuple(x_sorted.shape)}, w_gate"
                          f"{tuple(w_gate.shape)}, w_down{tuple(w_down.shape)}, offsets{tuple(offsets.shape)}")
+    quant = quant if quant is not None else NO_QUANT
+    if quant.active:
+        # QAT: the master weight is quantized (not its bf16 cast: the export quantizes the same tensor)
+        w_gate, w_up, w_down = (quant.weight(w) for w in (w_gate, w_up, w_down))
+        x_sorted = quant.input(x_sorted)
     if w_gate.dtype != x_sorted.dtype:
         # low-precision activations with fp32 master weights: compute in the activation dtype (differentiable cast)
         w_gate, w_up, w_down = (w.to(x_sorted.dtype) for w in (w_gate, w_up, w_down))
@@ -310,22 +323,26 @@ def grouped_expert_ffn(x_sorted: torch.Tensor, offsets: torch.Tensor, w_gate: to
     if impl == "grouped_mm":
         offs = offsets.to(torch.int32)
         h = situ_glu(_gmm(x_sorted, w_gate, offs), _gmm(x_sorted, w_up, offs), situ_beta, situ_linear_beta)
-        return _gmm(h, w_down, offs)
+        return _gmm(quant.input(h), w_down, offs)
     if impl == "padded_bmm":
-        return _padded_bmm_ffn(x_sorted, offsets, w_gate, w_up, w_down, situ_beta, situ_linear_beta)
+        return _padded_bmm_ffn(x_sorted, offsets, w_gate, w_up, w_down, situ_beta, situ_linear_beta, quant)
     if impl == "loop":
-        return reference_grouped_expert_ffn(x_sorted, offsets, w_gate, w_up, w_down, situ_beta, situ_linear_beta)
+        return reference_grouped_expert_ffn(x_sorted, offsets, w_gate, w_up, w_down, situ_beta, situ_linear_beta,
+                                            quant.input)
     raise ValueError(f"grouped_expert_ffn: impl must be 'auto', 'grouped_mm', 'padded_bmm' or 'loop', got {impl!r}")
 
 
 def reference_grouped_expert_ffn(x_sorted: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor,
                                  w_up: torch.Tensor, w_down: torch.Tensor, situ_beta: float = 4.0,
-                                 situ_linear_beta: float = 25.0) -> torch.Tensor:
-    """Readable per-expert reference of :func:`grouped_expert_ffn` (a Python loop over experts)."""
+                                 situ_linear_beta: float = 25.0,
+                                 input_quant: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """Readable per-expert reference of :func:`grouped_expert_ffn` (a Python loop over experts).
+    ``input_quant``: applied to the hidden activation ``h`` before the down projection (QAT with MXFP8 inputs)."""
     outs, start = [], 0
     for e, end in enumerate(offsets.tolist()):
         xe = x_sorted[start:end]
-        outs.append(situ_glu(xe @ w_gate[e], xe @ w_up[e], situ_beta, situ_linear_beta) @ w_down[e])
+        h = situ_glu(xe @ w_gate[e], xe @ w_up[e], situ_beta, situ_linear_beta)
+        outs.append((input_quant(h) if input_quant is not None else h) @ w_down[e])
         start = end
     return torch.cat(outs) if outs else x_sorted.new_zeros(0, w_down.shape[-1])
 
@@ -352,7 +369,8 @@ class GroupedExperts(nn.Module):
     ``w_gate[E, l, f]``, ``w_up[E, l, f]``, ``w_down[E, f, l]`` (3 * l * f per expert).
 
     ``forward(x_sorted[N, l], offsets[E] int32) -> [N, l]`` = :func:`grouped_expert_ffn`. Under expert
-    parallelism this module holds only the rank's local experts.
+    parallelism this module holds only the rank's local experts. ``quant`` (plain attribute, set by
+    :func:`k3train.quant.qat.apply_qat`): the QAT numerics every dispatcher runs these experts with.
     """
 
     def __init__(self, num_experts: int, dim: int, inter: int, situ_beta: float = 4.0,
@@ -365,6 +383,7 @@ class GroupedExperts(nn.Module):
         self.w_gate = nn.Parameter(torch.empty(num_experts, dim, inter))
         self.w_up = nn.Parameter(torch.empty(num_experts, dim, inter))
         self.w_down = nn.Parameter(torch.empty(num_experts, inter, dim))
+        self.quant: ExpertQuant = NO_QUANT
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -375,10 +394,11 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x_sorted: torch.Tensor, offsets: torch.Tensor, impl: str = "auto") -> torch.Tensor:
         return grouped_expert_ffn(x_sorted, offsets, self.w_gate, self.w_up, self.w_down,
-                                  self.situ_beta, self.situ_linear_beta, impl=impl)
+                                  self.situ_beta, self.situ_linear_beta, impl=impl, quant=self.quant)
 
     def extra_repr(self) -> str:
-        return f"num_experts={self.num_experts}, l={self.dim}, f={self.inter}"
+        qat = f", qat={self.quant.weights}/{self.quant.inputs}" if self.quant.active else ""
+        return f"num_experts={self.num_experts}, l={self.dim}, f={self.inter}{qat}"
 
 
 # --------------------------------------------------------------------------------------------------------------

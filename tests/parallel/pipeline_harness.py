@@ -107,25 +107,28 @@ class InProcessTransport:
 
 def in_process_pipeline(cfg: Config, batches: list[Batch], seed: int = SEED, norm: LossNorm | None = None,
                         hook: Callable[[int, list], None] | None = None,
-                        forward_only: bool = False) -> tuple[list[Any], list[dict]]:
+                        forward_only: bool = False,
+                        model_factory: Callable[[], Any] | None = None) -> tuple[list[Any], list[dict]]:
     """Build all ``pp`` runners in this process and run one step cooperatively. Returns (runners, stats).
     ``hook(pp_rank, params)`` is installed as every runner's ``on_chunk_backward_done``; ``forward_only``: the
-    evaluation pass (``PipelineRunner.forward_only``'s program, under no_grad)."""
+    evaluation pass (``PipelineRunner.forward_only``'s program, under no_grad); ``model_factory``: builds the
+    model each runner prunes (default ``K3Model(cfg.model, cfg.vision)``)."""
     if forward_only:
         with torch.no_grad():
-            return _in_process(cfg, batches, seed, norm, hook, True)
-    return _in_process(cfg, batches, seed, norm, hook, False)
+            return _in_process(cfg, batches, seed, norm, hook, True, model_factory)
+    return _in_process(cfg, batches, seed, norm, hook, False, model_factory)
 
 
 def _in_process(cfg: Config, batches: list[Batch], seed: int, norm: LossNorm | None,
-                hook: Callable[[int, list], None] | None, forward_only: bool) -> tuple[list[Any], list[dict]]:
+                hook: Callable[[int, list], None] | None, forward_only: bool,
+                model_factory: Callable[[], Any] | None = None) -> tuple[list[Any], list[dict]]:
     pp = cfg.parallel.pp
     norm = norm or LossNorm.from_batches(batches, cfg.model.mtp_loss_weight)
     mailbox: dict[Message, list[torch.Tensor]] = {}
     runners = []
     for r in range(pp):
         dims = ParallelDims(pp=pp, dp=1, cp=1, world_size=pp, rank=r)  # no process groups: in-process
-        run = build_step_runner(lambda: K3Model(cfg.model, cfg.vision), cfg, dims, seed=seed,
+        run = build_step_runner(model_factory or (lambda: K3Model(cfg.model, cfg.vision)), cfg, dims, seed=seed,
                                 on_chunk_backward_done=None if hook is None else (lambda ps, r=r: hook(r, ps)))
         run.p2p = InProcessTransport(mailbox, run.counter)
         runners.append(run)
