@@ -484,10 +484,11 @@ class Config:
         # CPU threads per rank (k3train/dist_env.py)
         need(t.num_threads >= 0, "train.num_threads", f"must be >= 0 (0 = automatic), got {t.num_threads}")
 
-        # kernels per op (k3train/ops/dispatch.py): unknown backends, or one forced where it cannot run
-        from k3train.ops.dispatch import check_kernel_settings
+        # kernels per op (k3train/ops/dispatch.py): the backend names here; one forced where it cannot run is a
+        # machine check (k3train/preflight.py: check_devices)
+        from k3train.ops.dispatch import check_kernel_names
 
-        bad_kernel = check_kernel_settings(self)
+        bad_kernel = check_kernel_names(t)
         if bad_kernel is not None:
             need(False, bad_kernel[0], bad_kernel[1])
 

@@ -28,13 +28,17 @@ from __future__ import annotations
 import functools
 import importlib.util
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
-import torch
-from torch import nn
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+# torch is imported inside the functions that need it: the config validator checks the settings' names without it
+# (a config error is reported before torch loads, k3train/train.py); the machine checks probe for forced backends
 
 __all__ = ["OPS", "BACKENDS", "Installed", "Target", "KernelChoice", "KernelSettingError", "choose_kernels",
-           "kernel_settings", "target_for", "check_kernel_settings", "apply_kernels", "describe_kernels"]
+           "kernel_settings", "target_for", "check_kernel_names", "check_kernel_settings", "apply_kernels",
+           "describe_kernels"]
 
 OPS = ("kda", "mla", "experts")
 BACKENDS: dict[str, tuple[str, ...]] = {
@@ -73,6 +77,8 @@ class Installed:
                 return importlib.util.find_spec(name) is not None
             except (ImportError, ValueError):  # a parent package missing, or a broken ``__spec__``
                 return False
+
+        import torch
 
         from k3train.model.mla import MLA
 
@@ -128,6 +134,8 @@ def kernel_settings(train_cfg: Any) -> dict[str, str]:
 def target_for(cfg: Any, device: torch.device | str | None = None) -> Target:
     """The :class:`Target` of a run: ``device`` (the resolved one) or else ``train.device`` (``auto``: CUDA when
     available)."""
+    import torch
+
     if device is None:
         want = cfg.train.device
         device = "cuda" if want == "cuda" or (want == "auto" and torch.cuda.is_available()) else "cpu"
@@ -239,10 +247,31 @@ def choose_kernels(settings: dict[str, str], target: Target, installed: Installe
     return {op: _CHOOSERS[op](settings.get(op, "auto"), target, installed) for op in OPS}
 
 
+# forced backends that run wherever k3train runs (no probing needed)
+_ALWAYS = {"auto", "torch", "dense", "padded_bmm", "loop"}
+
+
+def check_kernel_names(train_cfg: Any) -> tuple[str, str] | None:
+    """For the config validator (no torch, no probing): ``(key, message)`` of the first ``train.<op>_kernel``
+    that is not one of its op's backends, else None."""
+    for op, want in kernel_settings(train_cfg).items():
+        if want not in BACKENDS[op]:
+            return f"train.{op}_kernel", f"must be one of {', '.join(BACKENDS[op])}, got {want!r}"
+    return None
+
+
 def check_kernel_settings(cfg: Any) -> tuple[str, str] | None:
-    """For the config validator: ``(key, message)`` of the first setting that cannot run, else None."""
+    """For the machine checks before training (k3train/preflight.py): ``(key, message)`` of the first forced
+    backend that cannot run on this device with what is installed, else None. Tools that only trace the model
+    (memory, plan) skip it, so a GPU run can be planned on a laptop."""
+    bad = check_kernel_names(cfg.train)
+    if bad is not None:
+        return bad
+    settings = kernel_settings(cfg.train)
+    if set(settings.values()) <= _ALWAYS:
+        return None
     try:
-        choose_kernels(kernel_settings(cfg.train), target_for(cfg), Installed.probe())
+        choose_kernels(settings, target_for(cfg), Installed.probe())
     except KernelSettingError as e:
         return e.key, e.msg
     return None
