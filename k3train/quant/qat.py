@@ -89,6 +89,25 @@ class ExpertQuant:
 NO_QUANT = ExpertQuant()
 
 
+def expert_weight_to_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An expert weight stack ``w[E, in, out]`` (k3train's layout, applied as ``x @ w[e]``) -> the published MXFP4
+    layout per expert, ``nn.Linear``-shaped ``[out, in]``: ``(packed[E, out, in/2] uint8, scales[E, out, in/32]
+    uint8)`` (E2M1 nibbles, element 2j low; E8M0 scales). The same numbers the QAT forward computes with."""
+    from k3train.quant.mx import pack_e2m1, quantize
+
+    codes, scales = quantize(w.detach().transpose(-1, -2), "mxfp4")
+    return pack_e2m1(codes), scales
+
+
+def expert_weight_from_mxfp4(packed: torch.Tensor, scales: torch.Tensor,
+                             dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of :func:`expert_weight_to_mxfp4`: ``[E, out, in/2]`` + ``[E, out, in/32]`` -> ``w[E, in, out]`` in
+    ``dtype`` (contiguous); equal bit for bit to ``fake_quant_along(w, "mxfp4", -2)`` of the exported weight."""
+    from k3train.quant.mx import dequantize, unpack_e2m1
+
+    return dequantize(unpack_e2m1(packed), scales, "mxfp4", dtype).transpose(-1, -2).contiguous()
+
+
 def apply_qat(modules: Iterable[nn.Module], weights: str = "none", inputs: str = "none") -> int:
     """Set ``ExpertQuant(weights, inputs)`` on every routed-expert module (``GroupedExperts``) in ``modules``
     (a model, or a pipeline rank's model chunks; before or after expert parallelism). Returns how many it set."""
@@ -104,5 +123,5 @@ def apply_qat(modules: Iterable[nn.Module], weights: str = "none", inputs: str =
     return n
 
 
-__all__ = ["ExpertQuant", "NO_QUANT", "QAT_INPUT_FORMATS", "QAT_WEIGHT_FORMATS", "apply_qat", "fake_quant_along",
-           "fake_quant_ste"]
+__all__ = ["ExpertQuant", "NO_QUANT", "QAT_INPUT_FORMATS", "QAT_WEIGHT_FORMATS", "apply_qat",
+           "expert_weight_from_mxfp4", "expert_weight_to_mxfp4", "fake_quant_along", "fake_quant_ste"]

@@ -20,7 +20,8 @@ from k3train.model.model import K3Model
 from k3train.model.moe import GroupedExperts, LatentMoE, LocalDispatcher, grouped_expert_ffn
 from k3train.model.ffn import situ_glu
 from k3train.quant.mx import fake_quant
-from k3train.quant.qat import NO_QUANT, ExpertQuant, apply_qat
+from k3train.quant.qat import (NO_QUANT, ExpertQuant, apply_qat, expert_weight_from_mxfp4,
+                               expert_weight_to_mxfp4)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))  # pipeline_harness
 
@@ -82,7 +83,8 @@ def test_latent_moe_qat_equals_explicitly_quantized_weights(dtype, impl):
     # the master weights stay unquantized, and QAT changes the numbers
     assert not torch.equal(moe.experts.w_gate, ref.experts.w_gate)
     assert (y - y_plain).abs().max() > 1e-2 * y_plain.abs().max()
-    assert (gw["experts.w_down"] - gw_plain["experts.w_down"]).abs().max() > 1e-2 * gw_plain["experts.w_down"].abs().max()
+    g_down, g_down_plain = gw["experts.w_down"], gw_plain["experts.w_down"]
+    assert (g_down - g_down_plain).abs().max() > 1e-2 * g_down_plain.abs().max()
 
 
 @pytest.mark.parametrize("dtype,impl", [(torch.float64, "padded_bmm"), (torch.float64, "loop"),
@@ -148,6 +150,28 @@ def test_k3model_qat_equals_explicitly_quantized_weights():
     assert g.keys() == g_ref.keys() and any(_is_expert(n) for n in g)
     for name in g:
         assert torch.equal(g[name], g_ref[name]), name
+
+
+def test_mxfp4_export_dequantizes_to_the_qat_forward_bit_for_bit():
+    """The served weights (packed E2M1 + E8M0, per expert [out, in]) reproduce what QAT trained with."""
+    cfg = _model_cfg()
+    model = K3Model(cfg)
+    model.init_weights(3)
+    apply_qat([model], "mxfp4")
+    served = copy.deepcopy(model)
+    for m in served.modules():
+        if isinstance(m, GroupedExperts):
+            m.quant = NO_QUANT
+            for name in EXPERT_WEIGHTS:
+                w = getattr(m, name)
+                packed, scales = expert_weight_to_mxfp4(w)
+                assert packed.shape == (w.shape[0], w.shape[2], w.shape[1] // 2)
+                assert scales.shape == (w.shape[0], w.shape[2], w.shape[1] // 32)
+                w.data = expert_weight_from_mxfp4(packed, scales, w.dtype)
+    b = _batch(1, cfg.vocab_size)
+    with torch.no_grad():
+        a, s = model(b), served(b)
+    assert torch.equal(a["lm_loss_sum"], s["lm_loss_sum"]) and torch.equal(a["mtp_loss_sum"], s["mtp_loss_sum"])
 
 
 # ---- configuration and wiring ---------------------------------------------------------------------------------
