@@ -182,3 +182,12 @@ def test_published_bf16_peaks_by_cuda_device_name():
     assert published_bf16_peak("NVIDIA H100 PCIe") == ("h100 pcie", 756e12)
     assert published_bf16_peak("NVIDIA B200") == ("b200", 2250e12)
     assert published_bf16_peak("NVIDIA A100-SXM4-80GB") is None
+
+
+def test_mfu_denominator_on_a_known_gpu_is_its_published_peak(monkeypatch):
+    from k3train.metrics import resolve_peak_flops
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    flops, source = resolve_peak_flops(0.0, torch.device("cuda", 0))
+    assert flops == 989e12 and "published dense bf16 peak of H200" in source
+    assert resolve_peak_flops(5e14, torch.device("cuda", 0)) == (5e14, "logging.peak_flops")
