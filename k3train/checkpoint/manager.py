@@ -3,7 +3,8 @@
 Layout under the checkpoint root::
 
     step_00000010/            one complete checkpoint (DCP shards + .metadata)
-        rank_00000.pt         per-rank state that is not a tensor shard (RNG states, data position, step)
+        rank_00000.pt         per-rank state that is not a tensor shard (RNG states, data position, step): tensors
+                              and plain values only, read with ``weights_only=True`` (k3train/checkpoint/safe_load.py)
         COMPLETE              JSON written last: step, world size, run fingerprint, LR schedule and the MANIFEST
                               (size + CRC-32 of every other file in the directory)
     damaged_step_00000008/    a checkpoint that failed verification at a start, moved out of the way (kept)
@@ -49,6 +50,8 @@ from parallel.dims import new_group  # every process group gets the run's collec
 
 from .fsio import atomic_write_text as _atomic_write_text
 from .fsio import check_file, file_record, fsync_dir, fsync_file
+from .safe_load import (RANK_STATE_FORMAT, SafeFileSystemReader, UnsafeCheckpoint, check_plain, dcp_load,
+                        load_rank_state)
 
 log = logging.getLogger(__name__)
 
@@ -229,6 +232,8 @@ class CheckpointManager:
         rank, _ = _rank_world()
         err = None
         try:
+            rank_state = {"format": RANK_STATE_FORMAT, **rank_state}
+            check_plain(rank_state)  # what weights_only=True reads back: refused here, not at the resume
             part = tmp / f"rank_{rank:05d}.pt.part"
             torch.save(rank_state, part)
             os.replace(part, tmp / f"rank_{rank:05d}.pt")
@@ -364,20 +369,39 @@ class CheckpointManager:
         self._on_rank0(lambda: os.replace(path, dest))
         return dest
 
-    def load(self, path: str | Path, tensor_state: dict[str, Any]) -> dict[str, Any]:
+    def load(self, path: str | Path, tensor_state: dict[str, Any], key: str = "checkpoint.resume") -> dict[str, Any]:
         """Load DCP tensors in place into ``tensor_state``; return this rank's per-rank state (or rank 0's when
-        the checkpoint was written by a different world size, with RNG states dropped)."""
+        the checkpoint was written by a different world size, with RNG states dropped). Collective. Nothing is
+        unpickled beyond tensors, plain values and DCP's metadata classes (k3train/checkpoint/safe_load.py): a
+        file that would run code is refused on every rank with :class:`UnsafeCheckpoint` (``key: why``); the
+        metadata and the per-rank file are checked before DCP reads any shard."""
         path = Path(path)
         if not (path / COMPLETE).is_file():
             raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMPLETE} marker)")
-        with single_process_quiet():
-            dcp.load(tensor_state, checkpoint_id=str(path))
         rank, world = _rank_world()
         info = read_info(path)
         own = path / f"rank_{rank:05d}.pt"
-        if info.get("world_size") == world and own.is_file():
-            return torch.load(own, weights_only=False)
-        state = torch.load(path / "rank_00000.pt", weights_only=False)
+        same_world = info.get("world_size") == world and own.is_file()
+        reader = SafeFileSystemReader(path)
+        state, why, err = None, None, None
+        try:
+            reader.read_metadata()  # the restricted unpickler; DCP's own call below gets the same object
+            state = load_rank_state(own if same_world else path / "rank_00000.pt")
+        except UnsafeCheckpoint as e:
+            why = str(e)
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank by _agree
+            err = e
+        refusals = [w for w in self._gather(why) if w]
+        if refusals:  # every rank refuses with the same line (rank 0 prints it)
+            raise UnsafeCheckpoint(f"{key}: {refusals[0]}")
+        self._agree(err)
+        try:
+            with single_process_quiet():
+                dcp_load(tensor_state, path, reader)
+        except UnsafeCheckpoint as e:  # a value DCP stored as bytes that weights_only refuses (every rank)
+            raise UnsafeCheckpoint(f"{key}: {e}") from None
+        if same_world:
+            return state
         state.pop("rng", None)
         log.warning("checkpoint %s was written by world size %s (now %d): RNG states not restored",
                     path, info.get("world_size"), world)
