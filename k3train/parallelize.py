@@ -228,7 +228,10 @@ def parallelize(cfg: Config, dims: ParallelDims, device: torch.device) -> Parall
         if cfg.train.qat != "none" or cfg.train.qat_activations != "none":
             from k3train.quant.qat import apply_qat  # MXFP4 QAT of the routed experts (own shards and replicas)
 
-            apply_qat(runner.modules, cfg.train.qat, cfg.train.qat_activations)
+            n_qat = apply_qat(runner.modules, cfg.train.qat, cfg.train.qat_activations)
+            if dims.rank == 0:
+                log.info("QAT: routed experts' weights %s, inputs %s (%d expert modules on rank 0)",
+                         cfg.train.qat, cfg.train.qat_activations, n_qat)
     if cfg.train.dtype == "bfloat16":
         cast_params_to_bf16(runner.modules)
     flops = model_flops_per_token(cfg.model, cfg.train.seq_len)
