@@ -90,13 +90,14 @@ def main(argv: list[str] | None = None) -> int:
         lt = (LayerTimes(cache_path(args.calibration), dev.threads, log, config=args.config, overrides=overrides)
               if dev.is_cpu else None)
         if lt is not None:
-            # how ranks slow each other down, measured on this config's own step (the device-level small-op curve
-            # misses the contention of a real working set)
+            # how ranks slow each other down, measured on copies of this config's real one-process trainer (the
+            # device-level small-op curve, and even the bare model's forward + backward, miss what a trainer step
+            # shares the cores with: its loader, optimizer, bookkeeping and working set)
             import dataclasses
 
             curve = lt.concurrency(load_config(args.config, overrides), max(2, args.world_size) * dev.threads)
             dev = dataclasses.replace(dev, calibration={**dev.calibration, "concurrency": curve,
-                                                        "concurrency_workload": "this config's step"})
+                                                        "concurrency_workload": "this config's trainer"})
         from k3train.planning.plan import Planner
 
         planner = Planner(args.config, overrides, args.world_size, dev, top=max(args.top, args.measure),

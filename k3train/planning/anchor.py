@@ -10,6 +10,15 @@ steps (the first allocates optimizer state), then ``R`` rounds of: the isolated 
 round's ratio of the step's forward + backward to the isolated layers' sum is taken from two measurements seconds
 apart, so a drift of the host's speed (this workplace's VMs drift by 2x within an hour: see README) cancels; the
 anchor is the median over the rounds. ``FILE`` holds ``{"rounds": [{phases of the step, "isolated_fb_s"}, ...]}``.
+
+``python -m k3train.planning.anchor --concurrency N --config C --out FILE ...`` (:func:`run_concurrency`) measures
+how fast the same one-process trainer steps while ``n = 1..N`` copies of it step on this host at once, in lock-step
+(each step of a phase ends at a barrier of the ``n`` active copies, as a synchronous data-parallel step waits for
+its slowest rank). The copies are built once and kept; the phases ``n = 1..N`` repeat in rounds, and each round's
+speeds are taken against its own ``n = 1`` phase seconds before, so the host's drift cancels. This, not a model
+loop, is the workload because the trainer's step (its data loader, optimizer, per-step bookkeeping and working
+set) is what the ranks of a run share the cores with: on a 2-core host four such copies each ran at 0.41 of one
+alone, where four copies of the bare model's forward + backward ran at 0.47-0.61.
 """
 from __future__ import annotations
 
@@ -22,6 +31,10 @@ from pathlib import Path
 from typing import Any
 
 ROUNDS = 3
+CONCURRENCY_ROUNDS = 5  # each phase is a few seconds of a drifting host: the median of 5 rounds' ratios
+_FIXED = ["--checkpoint.resume=none", "--checkpoint.save_final=false", "--checkpoint.interval=0",
+          "--checkpoint.overwrite=true", "--logging.wandb=false", "--logging.peak_flops=1e12",
+          "--logging.level=WARNING", "--train.eval_interval=0"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,7 +43,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--rounds", type=int, default=ROUNDS)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--concurrency", type=int, default=0, metavar="N")
+    ap.add_argument("--steps", type=int, default=3, help="with --concurrency: lock-step steps per phase")
     args, overrides = ap.parse_known_args(argv)
+    if args.concurrency:
+        curve = concurrency_curve(args.config, overrides, args.concurrency, args.threads, args.rounds, args.steps)
+        Path(args.out).write_text(json.dumps(curve))
+        return 0
     import tempfile
 
     import torch
@@ -40,10 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     from k3train.trainer import Trainer
 
     with tempfile.TemporaryDirectory(prefix="k3anchor_") as tmp:
-        fixed = [f"--train.out_dir={tmp}/run", "--checkpoint.resume=none", "--checkpoint.save_final=false",
-                 "--checkpoint.interval=0", "--checkpoint.overwrite=true", "--logging.wandb=false",
-                 "--logging.peak_flops=1e12", "--logging.level=WARNING", "--train.eval_interval=0",
-                 f"--train.steps={2 + args.rounds}"]
+        fixed = [f"--train.out_dir={tmp}/run", *_FIXED, f"--train.steps={2 + args.rounds}"]
         cfg = load_config(args.config, overrides + fixed, world_size=1)
         torch.set_num_threads(args.threads)
         trainer = Trainer(cfg)
@@ -63,21 +79,122 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run_anchor(config: str, overrides: list[str], threads: int, timeout: float = 1800) -> dict[str, Any]:
-    """Run :func:`main` in a fresh one-process job (``threads`` intra-op threads) and return its file."""
+def _concurrency_worker(idx: int, config: str, overrides: list[str], threads: int, max_rounds: int, steps: int,
+                        procs: int, budget_s: float, build_lock: Any, barriers: list[Any], rounds_v: Any, out: Any,
+                        tmp: str) -> None:
+    """Copy ``idx`` of :func:`concurrency_curve`: build the trainer (one copy at a time: the dataset's index cache
+    is built once), warm up, then per round and phase ``n`` step ``steps`` times in lock-step if ``idx < n``.
+    Copy 0 times one step alone after the warm-up and sets the rounds (at most ``max_rounds``, at least 2) that fit
+    ``budget_s`` under processor sharing. ``out[(round * procs + n - 1) * procs + idx]``: the phase's seconds per
+    step on this copy."""
+    import os
+    import time
+
+    import torch
+
+    from k3train.config import load_config
+    from k3train.trainer import Trainer
+
+    total = 3 + max_rounds * steps * procs
+    with build_lock:
+        cfg = load_config(config, overrides + [f"--train.out_dir={tmp}/run{idx}", *_FIXED,
+                                               f"--train.steps={total}"], world_size=1)
+        torch.set_num_threads(threads)
+        trainer = Trainer(cfg)
+    torch.set_num_threads(threads)
+    trainer.train_step()  # optimizer state allocated
+    trainer.train_step()
+    everyone = barriers[procs - 1]
+    everyone.wait()
+    if idx == 0:
+        t0 = time.perf_counter()
+        trainer.train_step()
+        alone = time.perf_counter() - t0
+        cores = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+        per_round = steps * alone * sum(max(1.0, n * threads / cores) for n in range(1, procs + 1))
+        rounds_v.value = max(min(2, max_rounds), min(max_rounds, int(budget_s / max(1e-9, per_round))))
+    everyone.wait()
+    for rnd in range(rounds_v.value):
+        for n in range(1, procs + 1):
+            everyone.wait()
+            if idx >= n:
+                continue
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                trainer.train_step()
+                barriers[n - 1].wait()
+            out[(rnd * procs + n - 1) * procs + idx] = (time.perf_counter() - t0) / steps
+    everyone.wait()
+    trainer.close()
+
+
+def concurrency_curve(config: str, overrides: list[str], procs: int, threads: int, rounds: int = ROUNDS,
+                      steps: int = 3, budget_s: float = 150.0) -> dict[str, float]:
+    """``{n: speed}`` for ``n = 1..procs``: seconds per lock-step step of one copy alone over those of ``n`` copies
+    at once, the median over the rounds of each round's own ratio, made monotone (more copies never run faster).
+    ``rounds`` is a maximum: a config whose step is long gets as many (>= 2) as fit ``budget_s``."""
+    import multiprocessing as mp
+    import tempfile
+
+    ctx = mp.get_context("spawn")
+    barriers = [ctx.Barrier(n) for n in range(1, procs + 1)]
+    out = ctx.Array("d", rounds * procs * procs)
+    rounds_v = ctx.Value("i", rounds)
+    lock = ctx.Lock()
+    with tempfile.TemporaryDirectory(prefix="k3conc_") as tmp:
+        ps = [ctx.Process(target=_concurrency_worker, args=(i, config, overrides, threads, rounds, steps, procs,
+                                                            budget_s, lock, barriers, rounds_v, out, tmp))
+              for i in range(procs)]
+        for p in ps:
+            p.start()
+        failed = False
+        while any(p.is_alive() for p in ps):  # a copy that fails breaks the barriers, so no other copy waits forever
+            if not failed and any(p.exitcode not in (None, 0) for p in ps):
+                failed = True
+                for b in barriers:
+                    b.abort()
+            next(p for p in ps if p.is_alive()).join(timeout=0.5)
+        if failed or any(p.exitcode != 0 for p in ps):
+            raise RuntimeError("trainer concurrency calibration: a copy of the trainer failed")
+    done = rounds_v.value
+    per = [[max(out[(r * procs + n - 1) * procs:(r * procs + n - 1) * procs + n]) for n in range(1, procs + 1)]
+           for r in range(done)]
+    curve, best = {}, 1.0
+    for n in range(1, procs + 1):
+        ratios = sorted(per[r][0] / per[r][n - 1] for r in range(done))
+        best = min(best, ratios[len(ratios) // 2])
+        curve[str(n)] = best
+    return curve
+
+
+def _run_module(args: list[str], threads: int, what: str, timeout: float) -> Any:
+    """Run this module in a fresh process (``threads`` intra-op threads, no torchrun variables) with ``args``
+    and ``--out FILE``; return the JSON it wrote."""
     import tempfile
 
     root = Path(__file__).resolve().parents[2]
     with tempfile.TemporaryDirectory(prefix="k3anchor_") as tmp:
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
         env.update(WANDB_MODE="disabled", OMP_NUM_THREADS=str(threads), PYTHONPATH=str(root))
-        cmd = [sys.executable, "-m", "k3train.planning.anchor", "--config", config, "--out", f"{tmp}/anchor.json",
-               f"--threads={threads}", *overrides]
+        cmd = [sys.executable, "-m", "k3train.planning.anchor", "--out", f"{tmp}/out.json", f"--threads={threads}",
+               *args]
         p = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
         if p.returncode != 0:
-            raise RuntimeError(f"trainer anchor run failed (exit {p.returncode}): {' '.join(cmd)}\n"
-                               f"{p.stderr[-3000:]}")
-        return json.loads(Path(f"{tmp}/anchor.json").read_text())
+            raise RuntimeError(f"{what} failed (exit {p.returncode}): {' '.join(cmd)}\n{p.stderr[-3000:]}")
+        return json.loads(Path(f"{tmp}/out.json").read_text())
+
+
+def run_anchor(config: str, overrides: list[str], threads: int, timeout: float = 1800) -> dict[str, Any]:
+    """Run :func:`main` in a fresh one-process job (``threads`` intra-op threads) and return its file."""
+    return _run_module(["--config", config, *overrides], threads, "trainer anchor run", timeout)
+
+
+def run_concurrency(config: str, overrides: list[str], procs: int, threads: int,
+                    timeout: float = 1800) -> dict[str, float]:
+    """:func:`concurrency_curve` in a fresh job: ``{n: speed}`` of the one-process trainer of ``overrides`` while
+    ``n`` copies of it step at once."""
+    return _run_module(["--concurrency", str(procs), f"--rounds={CONCURRENCY_ROUNDS}", "--config", config,
+                        *overrides], threads, "trainer concurrency calibration", timeout)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -214,39 +213,6 @@ def bench_optimizer(cfg: Any, infos: list[Any], threads: int) -> dict[str, float
     return out
 
 
-def _model_busy_worker(idx: int, threads: int, barrier: Any, out: Any, cfg: Any, B: int, T: int) -> None:
-    """A :func:`devices.bench_concurrency` workload: the config's whole forward + backward of one ``[B, T]``
-    micro-batch (the op mix and working set of a real step, which a small-op loop does not reproduce: two
-    processes on two cores slowed each other by ~25% on the tiny config where the small-op loop showed none), in
-    lock-step: each of the timed steps ends at a barrier, so the group's time is its slowest rank's, as in training
-    (a median of free-running processes missed the 1.4-1.5x a real 2-rank step showed against 1.22x)."""
-    from k3train.planning.memory import trace_batch
-
-    torch.set_num_threads(threads)
-    model = _model(cfg, 1)
-    batch, _ = trace_batch(cfg, B, T)
-
-    def step() -> None:
-        model(batch)["loss"].backward()
-        model.zero_grad(set_to_none=True)
-
-    step()
-    step()
-    barrier.wait()
-    t0 = time.perf_counter()
-    for _ in range(3):  # in lock-step, as training steps are (the gradient reductions wait for the slowest rank)
-        step()
-        barrier.wait()
-    out[idx] = time.perf_counter() - t0
-
-
-def bench_model_concurrency(cfg: Any, B: int, T: int, max_procs: int, threads: int) -> dict[str, float]:
-    """``{n: speed}``: a rank's speed on this config's step while ``n`` ranks of the host run it at once."""
-    from k3train.planning.devices import bench_concurrency
-
-    return bench_concurrency(max_procs, threads, _model_busy_worker, (cfg, B, T))
-
-
 def opt_sig(inf: Any) -> str:
     return f"{inf.kind}|{inf.layout}|{tuple(inf.param.shape)}|{inf.heads}|{tuple(inf.segments)}"
 
@@ -377,14 +343,23 @@ class LayerTimes:
         return slot[k]
 
     def concurrency(self, cfg: Any, procs: int) -> dict[str, float]:
-        """This config's :func:`bench_model_concurrency` curve for 1..``procs`` ranks at its own micro-batch
-        shape (cached)."""
-        B, T = cfg.train.micro_batch_size, cfg.train.seq_len
-        k = _key(cfg, f"B={B}", f"T={T}", "lockstep")
+        """How fast a rank steps while ``n = 1..procs`` ranks of this host step at once: ``n`` copies of the trainer
+        anchor's one-process trainer (this config, its own micro-batch) in lock-step
+        (:func:`k3train.planning.anchor.concurrency_curve`; cached). Without a config (no anchor): None."""
+        if self.config is None:
+            return None
+        if self._anchor_b is None:
+            self._anchor_b = anchor_batch(self.config, self.overrides)
+        B, T = self._anchor_b, cfg.train.seq_len
+        k = _key(cfg, f"trainer-v{ANCHOR_VERSION}", f"v{LAYERS_VERSION}", f"B={B}", f"T={T}", cfg.optim.name,
+                 "lockstep")
         slot = self.data.setdefault(self.host, {}).setdefault("concurrency", {})
         if len(slot.get(k, {})) < procs:
-            self.log(f"calibrating concurrency on this config's step: 1..{procs} processes at once ...")
-            slot[k] = bench_model_concurrency(cfg, B, T, procs, self.threads)
+            from k3train.planning.anchor import run_concurrency
+
+            self.log(f"calibrating concurrency on the real trainer: 1..{procs} one-process copies of [{B}, {T}] "
+                     f"steps at once, in rounds ...")
+            slot[k] = run_concurrency(self.config, anchor_overrides(self.overrides, B), procs, self.threads)
             self.dirty = True
         return slot[k]
 

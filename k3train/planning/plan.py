@@ -90,7 +90,8 @@ class Row:
                 "predicted_tokens_per_s": self.tokens_per_s(cfg),
                 "predicted_tokens_per_s_per_device": (self.tokens_per_s(cfg) or 0) / world if self.pred else None,
                 "mfu": mfu(self, cfg, world, peak_flops) if self.pred else None,
-                "breakdown": self.pred.breakdown() if self.pred else None, "skipped": self.skipped or None,
+                "breakdown": self.pred.breakdown() if self.pred else None,
+                "breakdown_detail": self.pred.detail if self.pred else None, "skipped": self.skipped or None,
                 "measured_step_s": self.measured_step_s, "measured_phases": self.measured or None}
 
 

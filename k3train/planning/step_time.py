@@ -28,9 +28,11 @@ posted, computes, sends); :func:`simulate_programs` executes those programs even
 when its inputs have arrived, a send occupies its link -- so the bubble is the real schedule's. On a CPU the ranks
 of the host share its cores: while ``n`` ranks compute (every busy pipeline rank times its dp x cp replicas), each
 runs at ``Device.rank_speed(n)`` -- measured on this host (``devices.bench_concurrency``; ``tools/plan.py`` takes
-the curve of n processes running this config's own forward + backward, ``layer_bench.bench_model_concurrency``),
+the curve of n copies of this config's real one-process trainer stepping at once, ``anchor.concurrency_curve``),
 which is below plain processor sharing ``min(1, cores / n)``: ranks also compete for caches and memory bandwidth,
-and past the core count the scheduler's switching costs more.
+and past the core count the scheduler's switching costs more. An action's in-action communication follows its
+compute at wall speed (its per-call costs were measured while every rank computes) and the rank waiting in it does
+not count among those computing.
 
 After the pipeline: gradients (parameter dtype) all-reduced over ``dp_cp`` (dense) and ``edp`` (routed experts) at
 ZeRO 0/1; at ZeRO-2 reduced to owners per chunk as soon as the chunk's last backward ends (overlapping the rest of
@@ -399,8 +401,8 @@ def simulate_programs(programs: list[list[Any]], pp: int, vpp: int, costs: Actio
     pos = [0] * pp
     arrival: dict[Any, float] = {}
     link_free: dict[tuple[int, int], float] = {}
-    rem = [0.0] * pp          # remaining work (seconds at full speed) of the running compute
-    frac = [0.0] * pp         # communication share of the running compute
+    rem = [0.0] * pp          # remaining compute of the running action (seconds at full speed)
+    rem_comm = [0.0] * pp     # then its in-action communication (wall seconds: measured while every rank computes)
     running: list[Any] = [None] * pp
     wait: list[tuple] = [()] * pp  # deps of the compute a rank is blocked on
     t = 0.0
@@ -430,8 +432,7 @@ def simulate_programs(programs: list[list[Any]], pp: int, vpp: int, costs: Actio
                     wait[r] = deps
                     return
                 comp, comm = (costs.f[v], costs.f_comm[v]) if a.kind == "F" else (costs.b[v], costs.b_comm[v])
-                rem[r] = comp + comm
-                frac[r] = comm / (comp + comm) if comp + comm > 0 else 0.0
+                rem[r], rem_comm[r] = comp, comm
                 running[r] = a
                 pos[r] += 1
                 return
@@ -450,9 +451,11 @@ def simulate_programs(programs: list[list[Any]], pp: int, vpp: int, costs: Actio
 
     settle()
     while not all(done):
+        # a rank computes, then waits in its action's collectives (asleep: it leaves the cores to the others)
         busy = [r for r in range(pp) if running[r] is not None]
-        rate = speed(len(busy) * replicas) if speed is not None and busy else 1.0
-        t_next = min((t + rem[r] / rate for r in busy), default=inf)
+        computing = [r for r in busy if rem[r] > 0.0]
+        rate = speed(len(computing) * replicas) if speed is not None and computing else 1.0
+        t_next = min((t + (rem[r] / rate if rem[r] > 0.0 else rem_comm[r]) for r in busy), default=inf)
         for r in range(pp):
             if wait[r]:
                 w = max(arrival.get(d, inf) for d in wait[r])
@@ -462,12 +465,17 @@ def simulate_programs(programs: list[list[Any]], pp: int, vpp: int, costs: Actio
             raise RuntimeError("pipeline programs deadlock in the simulation")
         dt = t_next - t
         for r in busy:
-            rem[r] -= dt * rate
-            bc[r] += dt * (1 - frac[r])
-            bm[r] += dt * frac[r]
+            if rem[r] > 0.0:
+                rem[r] -= dt * rate
+                bc[r] += dt
+                if rem[r] <= 1e-12 * max(1.0, t_next):
+                    rem[r] = 0.0
+            else:
+                rem_comm[r] -= dt
+                bm[r] += dt
         t = t_next
         for r in busy:
-            if rem[r] <= 1e-12 * max(1.0, t):
+            if rem[r] <= 0.0 and rem_comm[r] <= 1e-12 * max(1.0, t):
                 a = running[r]
                 running[r] = None
                 end[r] = t

@@ -183,6 +183,31 @@ def test_program_simulation_matches_the_schedule_simulator():
     one_core = lambda n: min(1.0, 1 / n)  # noqa: E731 - processor sharing of one core
     assert simulate_programs([single_program(4)], 1, 1, one, 1, one_core).makespan == pytest.approx(12.0)
     assert simulate_programs([single_program(4)], 1, 1, one, 2, one_core).makespan == pytest.approx(24.0)
+    # in-action communication follows the compute at wall speed (its per-call costs were measured under load):
+    # per micro-batch F = 1 s of compute at half speed + 1 s of collectives, B = 2 s at half speed
+    talk = ActionCosts(f=[1.0], b=[2.0], f_comm=[1.0], b_comm=[0.0], msg_s={})
+    out = simulate_programs([single_program(4)], 1, 1, talk, 2, one_core)
+    assert out.makespan == pytest.approx(4 * (2.0 + 1.0 + 4.0))
+    assert out.busy_comm[0] == pytest.approx(4.0) and out.busy_compute[0] == pytest.approx(24.0)
+    # and a rank waiting in its collectives leaves the core to the other pipeline rank (all-forward, 2 micro-batches,
+    # one shared core): r0 F0 computes 0-1 and talks 1-3; r0 F1 and r1 F0 share the core 3-5; r0 F1 talks 5-7
+    # while r1 finishes F0 alone (7); r1 F1 runs 7-10 once r0's activation arrives
+    from parallel.pipeline.p2p import build_programs as bp
+
+    two = ActionCosts(f=[1.0, 3.0], b=[0.0, 0.0], f_comm=[2.0, 0.0], b_comm=[0.0, 0.0], msg_s={})
+    shared = simulate_programs(bp(build_schedule("afab", 2, 1, 2), 2, 1), 2, 1, two, 1, one_core)
+    assert shared.makespan == pytest.approx(10.0)
+
+
+def test_trainer_concurrency_curve_is_a_speed_per_copy_count():
+    """The planner's concurrency calibration runs copies of the real one-process trainer in lock-step: one
+    copy alone is speed 1, two copies on this host are no faster, the curve is monotone."""
+    from k3train.planning.anchor import concurrency_curve
+    from k3train.planning.layer_bench import anchor_overrides
+
+    over = anchor_overrides([f"--data.path={shipped_view('corpus_text_document')}"], 2)
+    curve = concurrency_curve(TINY, over, procs=2, threads=1, rounds=1, steps=1)
+    assert list(curve) == ["1", "2"] and curve["1"] == 1.0 and 0.0 < curve["2"] <= 1.0
 
 
 @pytest.mark.parametrize("args", [
