@@ -284,6 +284,12 @@ class LayerTimes:
         self._anchor: dict[str, TrainerAnchor | None] = {}
         self._anchor_b: int | None = None
 
+    def _anchor_shape(self, cfg: Any) -> tuple[int, int]:
+        """``[B, T]`` of the anchor's one-process runs: the config's own micro-batch, its sequence length."""
+        if self._anchor_b is None:
+            self._anchor_b = anchor_batch(self.config, self.overrides)
+        return self._anchor_b, cfg.train.seq_len
+
     def anchor(self, cfg: Any) -> TrainerAnchor | None:
         """The :class:`TrainerAnchor` of ``cfg``'s model at the config's own micro-batch (:func:`anchor_batch`;
         one anchor serves every layout of a plan; its run measured once, cached)."""
@@ -293,9 +299,7 @@ class LayerTimes:
 
         from k3train.planning.step_time import ParamFacts
 
-        if self._anchor_b is None:
-            self._anchor_b = anchor_batch(self.config, self.overrides)
-        B, T = self._anchor_b, cfg.train.seq_len
+        B, T = self._anchor_shape(cfg)
         k = _key(cfg, f"anchor-v{ANCHOR_VERSION}", f"v{LAYERS_VERSION}", f"B={B}", f"T={T}", cfg.optim.name,
                  cfg.optim.ns_steps, cfg.optim.per_head_muon)
         if k in self._anchor:
@@ -342,15 +346,13 @@ class LayerTimes:
             self.dirty = True
         return slot[k]
 
-    def concurrency(self, cfg: Any, procs: int) -> dict[str, float]:
+    def concurrency(self, cfg: Any, procs: int) -> dict[str, float] | None:
         """How fast a rank steps while ``n = 1..procs`` ranks of this host step at once: ``n`` copies of the trainer
         anchor's one-process trainer (this config, its own micro-batch) in lock-step
         (:func:`k3train.planning.anchor.concurrency_curve`; cached). Without a config (no anchor): None."""
         if self.config is None:
             return None
-        if self._anchor_b is None:
-            self._anchor_b = anchor_batch(self.config, self.overrides)
-        B, T = self._anchor_b, cfg.train.seq_len
+        B, T = self._anchor_shape(cfg)
         k = _key(cfg, f"trainer-v{ANCHOR_VERSION}", f"v{LAYERS_VERSION}", f"B={B}", f"T={T}", cfg.optim.name,
                  "lockstep")
         slot = self.data.setdefault(self.host, {}).setdefault("concurrency", {})
