@@ -87,12 +87,12 @@ def _concurrency_worker(idx: int, config: str, overrides: list[str], threads: in
     Copy 0 times one step alone after the warm-up and sets the rounds (at most ``max_rounds``, at least 2) that fit
     ``budget_s`` under processor sharing. ``out[(round * procs + n - 1) * procs + idx]``: the phase's seconds per
     step on this copy."""
-    import os
     import time
 
     import torch
 
     from k3train.config import load_config
+    from k3train.dist_env import cores_available
     from k3train.trainer import Trainer
 
     total = 3 + max_rounds * steps * procs
@@ -110,7 +110,7 @@ def _concurrency_worker(idx: int, config: str, overrides: list[str], threads: in
         t0 = time.perf_counter()
         trainer.train_step()
         alone = time.perf_counter() - t0
-        cores = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+        cores = cores_available()
         per_round = steps * alone * sum(max(1.0, n * threads / cores) for n in range(1, procs + 1))
         rounds_v.value = max(min(2, max_rounds), min(max_rounds, int(budget_s / max(1e-9, per_round))))
     everyone.wait()
