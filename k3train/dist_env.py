@@ -36,6 +36,13 @@ def env_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def child_pythonpath(root: object) -> str:
+    """``PYTHONPATH`` for a child process of this checkout (torchrun workers, the tools' and tests' runs): the
+    checkout first, then the caller's own ``PYTHONPATH`` (packages installed outside site-packages, e.g. with
+    ``pip --target``, must reach the child too)."""
+    return os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
 def resolve_backend(requested: str) -> str:
     if requested == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"

@@ -25,7 +25,8 @@ from parallel.pipeline.loss_norm import LossNorm
 class Evaluator:
     """Owned by the trainer; construct on EVERY rank in the same order (the dataset build is collective)."""
 
-    def __init__(self, cfg: Any, dims: Any, pm: Any, comm_device: torch.device) -> None:
+    def __init__(self, cfg: Any, dims: Any, pm: Any, comm_device: torch.device,
+                 device: torch.device | str = "cpu") -> None:
         self.interval, self.iters = cfg.train.eval_interval, cfg.train.eval_iters
         self.pm, self.dims, self.comm_device = pm, dims, comm_device
         self.mtp = cfg.model.num_nextn_predict_layers > 0
@@ -35,7 +36,7 @@ class Evaluator:
         if self.interval > 0:
             from k3train.data import GlobalBatchLoader
 
-            self.loader = GlobalBatchLoader.from_dims(cfg, dims, split="valid")
+            self.loader = GlobalBatchLoader.from_dims(cfg, dims, split="valid", device=device)
 
     def due(self, step: int, total_steps: int) -> bool:
         return self.loader is not None and (step % self.interval == 0 or step == total_steps)

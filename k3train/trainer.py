@@ -107,8 +107,8 @@ class Trainer:
         self.pm.set_chunk_backward_hook(self.optimizer)
         from k3train.data import GlobalBatchLoader
 
-        self.loader = GlobalBatchLoader.from_dims(cfg, self.dims)
-        self.evaluator = Evaluator(cfg, self.dims, self.pm, self._comm_device)  # builds the valid split if used
+        self.loader = GlobalBatchLoader.from_dims(cfg, self.dims, device=self.env.device)
+        self.evaluator = Evaluator(cfg, self.dims, self.pm, self._comm_device, self.env.device)  # builds the valid split if used
         self.nonfinite = NonFiniteGuard(self.pm.model, self.pm.runner, self.env.rank, cfg.train.max_skipped_steps,
                                         self._comm_device)
         self.ckpt = CheckpointManager(checkpoint_root(cfg), keep=cfg.checkpoint.keep,

@@ -221,8 +221,9 @@ def execute(run: Run, tmp: Path, timeout_s: float) -> Outcome:
     """``run`` with this interpreter in the checkout, its own process group (killed whole at the limit)."""
     argv = [sys.executable, *(a.replace("{tmp}", str(tmp)) for a in run.argv)]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    from k3train.dist_env import child_pythonpath  # noqa: PLC0415
     env.update(OMP_NUM_THREADS="1", K3TRAIN_CACHE_DIR=str(tmp / "cache"), WANDB_MODE="disabled",
-               PYTHONPATH=str(ROOT))
+               PYTHONPATH=child_pythonpath(ROOT))
     (tmp / "cache").mkdir(parents=True, exist_ok=True)
     busy0, mine0 = cpu_seconds()
     t0 = time.perf_counter()

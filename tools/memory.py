@@ -35,7 +35,9 @@ def run_measure(config: str, world: int, overrides: list[str], steps: int, timeo
     """Measured peak live tensor bytes per rank (real training steps under torchrun)."""
     with tempfile.TemporaryDirectory(prefix="k3mem_") as tmp:
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-        env.update(WANDB_MODE="disabled", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"), PYTHONPATH=str(ROOT))
+        from k3train.dist_env import child_pythonpath  # noqa: PLC0415
+        env.update(WANDB_MODE="disabled", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
+                   PYTHONPATH=child_pythonpath(ROOT))
         torchrun = Path(sys.executable).with_name("torchrun")
         cmd = [str(torchrun), "--standalone", f"--nproc_per_node={world}", "-m", "k3train.planning.measure",
                "--config", config, "--out", tmp, "--steps", str(steps), *overrides]

@@ -56,14 +56,17 @@ class GlobalBatchLoader:
         split: ``"train"`` (``train.steps * GBS`` samples) or ``"valid"``/``"test"`` (one epoch, read
             cyclically so any number of evaluation steps works).
         tokenizer: an already loaded tokenizer (default: load ``cfg.data.tokenizer``).
+        device: where ``next_step()`` puts the micro-batches (the device of the rank's model; default CPU).
 
     ``next_step()`` returns this rank's micro-batches for the next step, each ``[micro_batch_size,
-    seq_len / cp]`` on CPU.
+    seq_len / cp]`` on ``device``.
     """
 
     def __init__(self, cfg: Any, dp_rank: int = 0, dp: int = 1, cp_rank: int = 0, cp: int = 1,
-                 consumed_samples: int = 0, split: str = "train", tokenizer: TextTokenizer | None = None) -> None:
+                 consumed_samples: int = 0, split: str = "train", tokenizer: TextTokenizer | None = None,
+                 device: torch.device | str = "cpu") -> None:
         t = cfg.train
+        self.device = torch.device(device)
         self.gbs, self.mbs, self.seq_len = int(t.global_batch_size), int(t.micro_batch_size), int(t.seq_len)
         self.dp_rank, self.dp, self.cp_rank, self.cp = dp_rank, dp, cp_rank, cp
         self.split = split
@@ -108,9 +111,9 @@ class GlobalBatchLoader:
     # ------------------------------------------------------------------------------------------------------
     @classmethod
     def from_dims(cls, cfg: Any, dims: Any, consumed_samples: int = 0, split: str = "train",
-                  tokenizer: TextTokenizer | None = None) -> "GlobalBatchLoader":
+                  tokenizer: TextTokenizer | None = None, device: torch.device | str = "cpu") -> "GlobalBatchLoader":
         """Build from a :class:`parallel.dims.ParallelDims` (uses ``dp_rank, dp, cp_rank, cp``)."""
-        return cls(cfg, dims.dp_rank, dims.dp, dims.cp_rank, dims.cp, consumed_samples, split, tokenizer)
+        return cls(cfg, dims.dp_rank, dims.dp, dims.cp_rank, dims.cp, consumed_samples, split, tokenizer, device)
 
     @property
     def grad_accum_steps(self) -> int:
@@ -146,6 +149,8 @@ class GlobalBatchLoader:
         idx = self.global_sample_indices()[self.dp_rank * per_dp:(self.dp_rank + 1) * per_dp]
         mine = self._rows(idx)
         out = [mb.slice_cp(self.cp_rank, self.cp) if self.cp > 1 else mb for mb in mine.micro_batches(self.mbs)]
+        if self.device.type != "cpu":  # the rows are read on the host; the model's device takes them from here
+            out = [mb.to(self.device, non_blocking=True) for mb in out]
         self._last = self.consumed_samples
         self.consumed_samples += self.gbs
         return out

@@ -19,6 +19,7 @@ the mask and the numbers here.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
@@ -42,6 +43,16 @@ def _kernel(device: torch.device) -> Callable[..., Any]:
     if "cuda" not in _COMPILED:
         _COMPILED["cuda"] = torch.compile(_flex(), dynamic=False)
     return _COMPILED["cuda"]
+
+
+def kernel_options(dtype: torch.dtype, qk_dim: int) -> dict[str, Any] | None:
+    """Forward tile sizes where inductor's default does not fit a Hopper SM's shared memory: fp32 inputs with
+    K3's qk width 192 default to a 64 x 64 tile in 3 stages (~281 KiB of the 227 KiB an H200 SM has, found by
+    tools/gpu_check.py on a lent H200 with torch 2.11); a 32 x 64 tile in one stage needs ~104 KiB. bf16/fp16
+    (the training dtypes) keep inductor's choice; the backward's fp32 default (16 x 16 tiles) fits."""
+    if dtype == torch.float32 and qk_dim > 128:
+        return {"fwd_BLOCK_M": 32, "fwd_BLOCK_N": 64, "fwd_num_stages": 1}
+    return None
 
 
 def document_block_mask(mask_info: Any, block_size: int = 128) -> Any:
@@ -70,6 +81,10 @@ def _run(q: Tensor, k: Tensor, v: Tensor, mask_info: Any, scale: float, want_max
     q, k, v = (t.to(dtype) for t in (q, k, v))
     bm = block_mask if block_mask is not None else document_block_mask(mask_info)
     fn = _kernel(q.device)
+    if q.device.type == "cuda":
+        opts = kernel_options(q.dtype, q.shape[-1])
+        if opts:
+            fn = functools.partial(fn, kernel_options=opts)
     if want_max and q.device.type != "cuda":  # FlexAttention returns max scores only from its CUDA kernel
         from k3train.model.mla import masked_logit_max
 

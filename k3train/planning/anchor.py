@@ -175,7 +175,8 @@ def _run_module(args: list[str], threads: int, what: str, timeout: float) -> Any
     root = Path(__file__).resolve().parents[2]
     with tempfile.TemporaryDirectory(prefix="k3anchor_") as tmp:
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-        env.update(WANDB_MODE="disabled", OMP_NUM_THREADS=str(threads), PYTHONPATH=str(root))
+        from k3train.dist_env import child_pythonpath  # noqa: PLC0415
+        env.update(WANDB_MODE="disabled", OMP_NUM_THREADS=str(threads), PYTHONPATH=child_pythonpath(root))
         cmd = [sys.executable, "-m", "k3train.planning.anchor", "--out", f"{tmp}/out.json", f"--threads={threads}",
                *args]
         p = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)

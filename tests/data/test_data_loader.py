@@ -109,6 +109,20 @@ def test_resume(small_prefix, tok):
     assert_same(c.next_step()[0], expected[0][0])
 
 
+def test_micro_batches_go_to_the_loaders_device(small_prefix, tok):
+    """The loader hands its batches to the run's device (on a GPU: the model's; a first H200 run failed at the
+    embedding with CPU token ids). 'meta' stands in for a device here: every field moves, nothing else changes."""
+    cfg = make_cfg(small_prefix, gbs=4, mbs=1, seq_len=32, steps=10)
+    host = GlobalBatchLoader(cfg, 0, 2, tokenizer=tok).next_step()
+    moved = GlobalBatchLoader(cfg, 0, 2, tokenizer=tok, device="meta").next_step()
+    assert len(moved) == len(host)
+    for a, b in zip(host, moved):
+        for name in ("tokens", "labels", "loss_mask", "doc_ids", "positions"):
+            x, y = getattr(a, name), getattr(b, name)
+            assert x.device.type == "cpu" and y.device.type == "meta", name
+            assert (x.shape, x.dtype) == (y.shape, y.dtype), name
+
+
 def test_exhaustion_valid_split_and_bad_layouts(small_prefix, tok):
     cfg = make_cfg(small_prefix, gbs=4, mbs=2, seq_len=32, steps=2)
     ld = GlobalBatchLoader(cfg, tokenizer=tok, consumed_samples=0)

@@ -105,6 +105,26 @@ def kda_compare(dtype: torch.dtype, T: int = 1024, H: int = 4, K: int = 128, see
             "tol_rel_rms": KDA_TOL[dt], "ok": worst(errors) <= KDA_TOL[dt]}
 
 
+def kda_first_call(op_name: str, dtype: torch.dtype, T: int = 2048, H: int = 4, K: int = 128) -> dict[str, Any]:
+    """Seconds of one op's first forward + backward in this process (``op_name``: ``torch`` or ``fla``; fla's
+    includes its Triton compilation and autotuning of every kernel), then of a second call on the same inputs."""
+    from k3train.ops.kda import chunk_kda
+    from k3train.ops.kda_fla import fla_chunk_kda
+
+    op = {"torch": chunk_kda, "fla": fla_chunk_kda}[op_name]
+    inp = kda_inputs(T, H, K, dtype)
+    d_o = torch.randn(1, T, H, K, device="cuda")
+    d_s = torch.randn_like(inp["initial_state"])
+    out: dict[str, Any] = {"op": op_name, "dtype": str(dtype).replace("torch.", ""), "T": T, "H": H, "K": K}
+    for key in ("first_s", "second_s"):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        _kda_run(op, inp, None, d_o, d_s)
+        torch.cuda.synchronize()
+        out[key] = round(time.perf_counter() - t0, 3)
+    return out
+
+
 def kda_speed(T: int, H: int = 16, K: int = 128, reps: int = 3) -> dict[str, Any]:
     """Forward + backward time of both ops on bf16 inputs (one sequence of ``T`` tokens): ms and the ratio."""
     from k3train.ops.kda import chunk_kda

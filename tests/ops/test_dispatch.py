@@ -174,6 +174,22 @@ def test_flex_mla_forward_matches_the_dense_reference_on_cpu():
     assert (flex_attention_with_max(q, k, v, leaky, 24 ** -0.5)[0] - o).abs().max() > 1e-2
 
 
+def test_flex_fp32_tiles_fit_a_hopper_sm_and_training_dtypes_keep_inductors_choice():
+    """On an H200 (torch 2.11) FlexAttention with fp32 inputs at K3's qk width 192 failed to compile: inductor's
+    default 64 x 64 forward tile in 3 stages needs ~281 KiB of shared memory, an SM has 227 KiB. The options chosen
+    instead hold the Q tile and, per stage, the K and V tiles within it; bf16 and narrow heads keep the default."""
+    from k3train.ops.mla_flex import kernel_options
+
+    def fwd_smem(opts, dqk=192, dv=128, size=4):
+        return size * (opts["fwd_BLOCK_M"] * dqk + opts["fwd_num_stages"] * opts["fwd_BLOCK_N"] * (dqk + dv))
+
+    assert fwd_smem({"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "fwd_num_stages": 3}) > 227 * 1024  # the failing one
+    opts = kernel_options(torch.float32, 192)
+    assert opts is not None and fwd_smem(opts) <= 227 * 1024
+    assert 128 % opts["fwd_BLOCK_M"] == 0 and 128 % opts["fwd_BLOCK_N"] == 0  # divide the BlockMask's 128 blocks
+    assert kernel_options(torch.bfloat16, 192) is None and kernel_options(torch.float32, 128) is None
+
+
 def test_published_bf16_peaks_by_cuda_device_name():
     from k3train.planning.devices import published_bf16_peak
 

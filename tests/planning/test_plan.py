@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from shipped_data import shipped_view
+from k3train.dist_env import child_pythonpath
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -18,7 +19,7 @@ TINY = str(ROOT / "configs" / "tiny.yaml")
 
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(WANDB_MODE="disabled", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.update(WANDB_MODE="disabled", OMP_NUM_THREADS="1", PYTHONPATH=child_pythonpath(ROOT))
     return env
 
 

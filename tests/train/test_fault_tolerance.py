@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from dist_helpers import run_distributed
 from train_helpers import FAST, ROOT, TORCHRUN, read_metrics
+from k3train.dist_env import child_pythonpath
 
 STEPS = 6
 LAYOUT = ["--parallel.pp=2", "--checkpoint.interval=2", "--checkpoint.resume=auto", "--checkpoint.keep=5"]
@@ -43,7 +44,7 @@ def _args(prefix: Path, out: Path, timeout_s: int = TIMEOUT_S) -> list[str]:
 
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(WANDB_MODE="disabled", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **extra)
+    env.update(WANDB_MODE="disabled", OMP_NUM_THREADS="1", PYTHONPATH=child_pythonpath(ROOT), **extra)
     return env
 
 

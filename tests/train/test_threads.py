@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from dist_helpers import free_port, run_distributed
-from k3train.dist_env import choose_num_threads, cores_available
+from k3train.dist_env import child_pythonpath, choose_num_threads, cores_available
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
@@ -49,7 +49,7 @@ def test_two_agents_on_one_host_share_the_cores(tmp_path):
     c10d rendezvous on 127.0.0.1. Each rank gets half the cores, not all of them."""
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "RANK", "WORLD_SIZE", "LOCAL_RANK",
                                                             "MASTER_PORT", "K3TRAIN_THREADS_AUTO")}
-    env["PYTHONPATH"] = str(ROOT)
+    env["PYTHONPATH"] = child_pythonpath(ROOT)
     port = free_port()
     cmd = [TORCHRUN, "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
            "--rdzv_id=k3threads", PROBE]

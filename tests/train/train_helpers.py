@@ -8,6 +8,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from k3train.dist_env import child_pythonpath
+
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
@@ -40,7 +42,7 @@ def run_train(args: list[str], nproc: int = 0, timeout: float = 600,
     temporary ``train.out_dir`` unless ``args`` names one.
     ``env_extra``: environment changes on top of the defaults (a value of None removes the variable)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(WANDB_MODE="disabled", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.update(WANDB_MODE="disabled", OMP_NUM_THREADS="1", PYTHONPATH=child_pythonpath(ROOT))
     for k, v in (env_extra or {}).items():
         if v is None:
             env.pop(k, None)
