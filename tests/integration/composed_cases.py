@@ -32,6 +32,22 @@ MBS = 1
 DOC_LENGTHS = (9, 21, 13, 30, 6, 17, 25, 11)
 
 
+# model variants (configs/tiny.yaml + these overrides); every one runs through the composed layouts
+VARIANTS: dict[str, tuple[str, ...]] = {
+    "k3": (),
+    # the standard PreNorm residual (the model.residual ablation)
+    "standard": ("--model.residual=standard",),
+    # what the published Kimi Linear checkpoints need (k3train/hf): standard residual, KDA with the softplus decay
+    # and the low-rank output gate, MLA without query compression and without the output gate, SwiGLU FFNs, a MoE
+    # without the latent projection, grouped top-k routing, no renormalisation, a routed scaling factor
+    "kimi_linear": ("--model.residual=standard", "--model.kda_decay_form=softplus", "--model.use_full_rank_gate=false",
+                    "--model.q_lora_rank=null", "--model.mla_use_output_gate=false", "--model.hidden_act=silu",
+                    "--model.routed_expert_hidden_size=null", "--model.latent_moe_use_norm=false",
+                    "--model.num_expert_group=2", "--model.topk_group=1", "--model.moe_renormalize=false",
+                    "--model.routed_scaling_factor=2.5"),
+}
+
+
 @dataclass(frozen=True)
 class Layout:
     """One composed layout on ``WORLD`` ranks (dp derived: WORLD / (pp * cp))."""
@@ -42,10 +58,10 @@ class Layout:
     cp: int = 1
     ep: int = 1
     moonep: bool = True
-    residual: str = "attnres"  # model.residual (the reference is built with the same)
+    variant: str = "k3"  # a key of VARIANTS (the reference is built with the same)
 
     def overrides(self) -> list[str]:
-        return [f"--model.residual={self.residual}",
+        return [*VARIANTS[self.variant],
                 f"--parallel.pp={self.pp}", f"--parallel.vpp={self.vpp}", f"--parallel.cp={self.cp}",
                 f"--parallel.ep={self.ep}", f"--parallel.moonep={str(self.moonep).lower()}",
                 f"--train.seq_len={SEQ_LEN}", f"--train.global_batch_size={GBS}",
@@ -53,10 +69,10 @@ class Layout:
                 f"--data.path={shipped_view('corpus_text_document')}"]
 
 
-def make_cfg(layout: Layout | None = None, residual: str = "attnres") -> Config:
+def make_cfg(layout: Layout | None = None, variant: str = "k3") -> Config:
     """configs/tiny.yaml (8 layers: KDA x3, MLA, KDA x3, MLA; dense first layer, 7 LatentMoE; MTP) for ``layout``
-    (``None``: the single-process reference with ``model.residual = residual``)."""
-    over = layout.overrides() if layout is not None else Layout("ref", residual=residual).overrides()
+    (``None``: the single-process reference of model variant ``variant``)."""
+    over = layout.overrides() if layout is not None else Layout("ref", variant=variant).overrides()
     return load_config(ROOT / "configs" / "tiny.yaml", over, world_size=WORLD if layout is not None else 1)
 
 
