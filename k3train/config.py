@@ -280,6 +280,11 @@ class CheckpointConfig:
     # this many seconds after the signal, the rank exits and the last complete checkpoint stays. Keep it under
     # the scheduler's grace period and torchrun's --shutdown-timeout (30 s by default), after which come SIGKILLs
     preempt_timeout_s: float = 25.0
+    # a Hugging Face checkpoint directory (config.json + safetensors, kimi_linear / kimi_k3) to START from: a fresh
+    # run loads its weights in any parallel layout, each rank only its own tensors (k3train/hf/load.py); a resume
+    # ignores it. Checked before anything is built (k3train/preflight.py); write the matching run config with
+    # `k3train import-hf HF_DIR -o RUN.yaml`
+    load_hf: str = ""
 
 
 @dataclass
