@@ -199,8 +199,8 @@ def vision_from_config(vc: dict[str, Any], where: str) -> dict[str, Any]:
 def sections_from_config_json(cj: dict[str, Any], where: str) -> tuple[str, dict[str, Any], dict[str, Any]]:
     """``(format, model values, vision values)`` of a checkpoint's ``config.json`` (vision: {} without a tower)."""
     fmt = config_format(cj, where)
-    if fmt == "kimi_linear":
-        return fmt, model_from_text_config(cj, fmt, where), {}
+    if fmt == "kimi_linear":  # text only: no media placeholder
+        return fmt, {**model_from_text_config(cj, fmt, where), "media_placeholder_token_id": -1}, {}
     tc = cj.get("text_config")
     if not isinstance(tc, dict):
         raise ConfigError(f"{where}: kimi_k3 config.json needs a text_config object")

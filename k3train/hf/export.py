@@ -76,7 +76,7 @@ class _Writer:
         n = t.numel() * t.element_size()
         if self.pending and self.pending_bytes + n > self.max_bytes:
             self.flush()
-        self.pending[key] = t.contiguous()
+        self.pending[key] = t.detach().to("cpu").contiguous()
         self.pending_bytes += n
 
     def flush(self) -> None:
