@@ -153,3 +153,90 @@ def test_training_after_import_and_export(kl, tmp_path):
         assert torch.equal(hf.logits(hf.from_pretrained(out), ids), trained)
     run_distributed(_parallel_body, 2, str(run_yaml), str(tmp_path),
                     {"init": init, "final": final, "losses": losses})
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# bad checkpoints: one line naming the problem, from the run's preflight (before anything is built)
+def _damage(d: Path, how: str) -> str:
+    """Damage checkpoint copy ``d`` in one way; returns what the error line must name."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    index_path = d / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    wm = index["weight_map"]
+    key = "model.layers.2.self_attn.q_proj.weight"
+    if how == "missing tensor":
+        del wm[key]
+        index_path.write_text(json.dumps(index))
+        return key
+    if how == "extra tensor":
+        wm["model.layers.2.self_attn.rotary_emb.inv_freq"] = wm[key]
+        shard = d / wm[key]
+        t = load_file(str(shard))
+        t["model.layers.2.self_attn.rotary_emb.inv_freq"] = torch.ones(4)
+        save_file(t, str(shard), metadata={"format": "pt"})
+        index_path.write_text(json.dumps(index))
+        return "model.layers.2.self_attn.rotary_emb.inv_freq"
+    if how == "wrong shape":
+        shard = d / wm[key]
+        t = load_file(str(shard))
+        t[key] = t[key][:, :32].contiguous()
+        save_file(t, str(shard), metadata={"format": "pt"})
+        return key
+    if how == "truncated shard":
+        shard = d / wm[key]
+        shard.write_bytes(shard.read_bytes()[:-1000])
+        return shard.name
+    if how == "unmappable config":
+        cj = json.loads((d / "config.json").read_text())
+        cj["linear_attn_config"]["full_attn_layers"], cj["linear_attn_config"]["kda_layers"] = [1, 4], [2, 3]
+        (d / "config.json").write_text(json.dumps(cj))
+        return "full_attn_layers"
+    raise ValueError(how)
+
+
+@pytest.mark.parametrize("how", ["missing tensor", "extra tensor", "wrong shape", "truncated shard",
+                                 "unmappable config"])
+def test_bad_checkpoint_is_one_line_before_anything_is_built(kl, tmp_path, how):
+    import shutil
+
+    from k3train.config import ConfigError
+    from k3train.hf.commands import import_config_text
+    from k3train.preflight import validate_run
+
+    d, _ = kl
+    bad = tmp_path / "bad"
+    shutil.copytree(d, bad)
+    run_yaml = tmp_path / "run.yaml"
+    run_yaml.write_text(import_config_text(d).replace(str(d), str(bad)))
+    needle = _damage(bad, how)
+    with pytest.raises(ConfigError) as e:
+        validate_run(run_yaml, run_overrides(tmp_path / "run", 1))
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("checkpoint.load_hf") and needle in msg, msg
+
+
+def test_bad_checkpoint_through_the_entry_point(kl, tmp_path):
+    """The real entry point: exit 2, one ``k3train: error:`` line naming the shard, no traceback, no run."""
+    import shutil
+    import subprocess
+    import sys
+
+    from k3train.dist_env import child_pythonpath
+    from k3train.hf.commands import import_config_text
+
+    d, _ = kl
+    bad = tmp_path / "bad"
+    shutil.copytree(d, bad)
+    needle = _damage(bad, "truncated shard")
+    run_yaml = tmp_path / "run.yaml"
+    run_yaml.write_text(import_config_text(d).replace(str(d), str(bad)))
+    env = {**{k: v for k, v in __import__("os").environ.items() if k not in ("RANK", "WORLD_SIZE")},
+           "PYTHONPATH": child_pythonpath(Path(__file__).resolve().parents[2])}
+    res = subprocess.run([sys.executable, "-m", "k3train.train", "--config", str(run_yaml),
+                          *run_overrides(tmp_path / "run", 1)], capture_output=True, text=True, env=env, timeout=300)
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("k3train: error:")]
+    assert res.returncode == 2 and len(lines) == 1 and needle in lines[0], res.stderr[-2000:]
+    assert "Traceback" not in res.stderr and not (tmp_path / "run").exists()
