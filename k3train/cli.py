@@ -40,13 +40,13 @@ def bad_input(message: str) -> int:
     return EXIT_BAD_INPUT
 
 
-class _Parser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str):  # type: ignore[override] - one line, like every other bad input
         sys.exit(bad_input(f"{self.prog}: {message}"))
 
 
 def _launcher_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="k3train train", allow_abbrev=False,
+    ap = OneLineParser(prog="k3train train", allow_abbrev=False,
                  description="validate once, then train on --nproc x --nnodes processes; every other "
                              "--section.key=value argument overrides the config")
     ap.add_argument("--config", help="YAML run config (configs/tiny.yaml, ...)")

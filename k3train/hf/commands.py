@@ -25,17 +25,8 @@ from typing import Any
 
 import yaml
 
-EXIT_BAD_INPUT = 2
-
-
-def _bad_input(message: str) -> int:
-    print(f"k3train: error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
-    return EXIT_BAD_INPUT
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # type: ignore[override] - one line, like every other bad input
-        sys.exit(_bad_input(f"{self.prog}: {message}"))
+from k3train.cli import OneLineParser as _Parser
+from k3train.cli import bad_input as _bad_input
 
 
 # ------------------------------------------------------------------------------------------------------------------
