@@ -78,7 +78,7 @@ def rank_phase(a: argparse.Namespace) -> int:
 
 def run_phase(phase: str, a: argparse.Namespace, hf_dir: Path) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={a.nproc}",
-           str(Path(__file__).resolve()), "--phase", phase, "--config", a.config, "--layout", a.layout,
+           str(Path(__file__).resolve()), "--phase", phase, "--config", a.config, f"--layout={a.layout}",
            "--hf-dir", str(hf_dir), *a.overrides]
     from k3train.dist_env import child_pythonpath
 

@@ -49,6 +49,18 @@ def test_import_decodes_the_k3_schema(tmp_path):
     k_hf = qkv[VIS["qkv"]:2 * VIS["qkv"]].reshape(VIS["heads"], dh, -1)
     k_ours = model.vision.encoder.blocks[0].attn.k_proj.weight.detach().reshape(VIS["heads"], dh, -1)
     assert torch.equal(k_ours[:, :dh // 2], k_hf[:, 0::2]) and torch.equal(k_ours[:, dh // 2:], k_hf[:, 1::2])
+    from k3train.hf.load import load_hf_weights
+    from k3train.model.moe import GroupedExperts
+    from moonep.shard import shard_experts
+
+    part = hf.from_pretrained(tmp_path)  # an expert-parallel shard (ep 2, rank 1) decodes only experts 2 and 3
+    for m in part.modules():
+        if isinstance(m, GroupedExperts):
+            shard_experts(m, 2, 1)
+            m.w_down.data.zero_()
+    stats = load_hf_weights([part], part.hf_config, tmp_path)
+    assert torch.equal(part.layers["3"].ffn.experts.w_down, model.layers["3"].ffn.experts.w_down[2:])
+    assert stats["bytes_read"] < sum(p.stat().st_size for p in tmp_path.glob("*.safetensors"))
     ids = torch.randint(3, 200, (1, 12))
     with torch.no_grad():
         assert torch.isfinite(hf.logits(model, ids)).all()

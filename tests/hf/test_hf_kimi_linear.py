@@ -99,7 +99,10 @@ def _parallel_body(rank: int, world: int, run_yaml: str, tmp: str, ref: dict) ->
     from k3train.trainer import Trainer
 
     torch.set_num_threads(1)
-    for name, layout in (("pp2", ["--parallel.pp=2"]), ("dp2_ep2", ["--parallel.dp=2", "--parallel.ep=2"])):
+    from k3train.hf.export import write_hf_shards
+
+    for name, layout in (("pp2", ["--parallel.pp=2"]),
+                         ("dp2_ep2", ["--parallel.dp=2", "--parallel.ep=2", "--parallel.zero=2"])):
         cfg = load_config(run_yaml, run_overrides(Path(tmp) / name, STEPS, layout), world_size=world)
         tr = Trainer(cfg)
         try:
@@ -118,6 +121,19 @@ def _parallel_body(rank: int, world: int, run_yaml: str, tmp: str, ref: dict) ->
                     want = want[p._k3_shard_offset:p._k3_shard_offset + p.shape[0]]
                 torch.testing.assert_close(p.detach(), want, rtol=1e-4, atol=2e-5,
                                            msg=lambda m, fqn=fqn: f"{name}: {fqn} after {STEPS} steps: {m}")
+            # every rank writes its own tensors; the export holds exactly what the ranks hold
+            out = Path(tmp) / f"{name}_export"
+            if rank == 0:
+                out.mkdir()
+            dist.barrier()
+            write_hf_shards(tr.pm.modules, cfg, out, dims=tr.dims, skip=tr.pm.runner.replica_params,
+                            max_shard_bytes=300_000)
+            back = dict(hf.from_pretrained(out).named_parameters())
+            for fqn, p in tr.pm.model.named_parameters():
+                want = back[fqn].detach()
+                if getattr(p, "_k3_expert_parallel", False) and p.shape != want.shape:
+                    want = want[p._k3_shard_offset:p._k3_shard_offset + p.shape[0]]
+                assert torch.equal(p.detach(), want), f"{name}: exported {fqn} differs from the rank's"
         finally:
             tr.metrics.close()
         dist.barrier()
@@ -144,6 +160,10 @@ def test_training_after_import_and_export(kl, tmp_path):
         tr.metrics.close()
     assert torch.equal(init["layers.1.ffn.experts.w_gate"][3], hf.from_pretrained(d).layers["1"].ffn.experts
                        .w_gate[3].detach())
+    from k3train.preflight import starts_from_hf
+
+    resumed = load_config(run_yaml, run_overrides(tmp_path / "one", STEPS + 1) + ["--checkpoint.resume=auto"])
+    assert not starts_from_hf(resumed)  # a resume continues the run; checkpoint.load_hf only starts one
     # the one-process run's checkpoint -> export-hf -> from_pretrained: the trained model, exactly
     out = tmp_path / "exported"
     ckpt = tmp_path / "one" / "checkpoints" / f"step_{STEPS:08d}"
@@ -240,3 +260,64 @@ def test_bad_checkpoint_through_the_entry_point(kl, tmp_path):
     lines = [ln for ln in res.stderr.splitlines() if ln.startswith("k3train: error:")]
     assert res.returncode == 2 and len(lines) == 1 and needle in lines[0], res.stderr[-2000:]
     assert "Traceback" not in res.stderr and not (tmp_path / "run").exists()
+
+
+def test_fused_experts_and_expert_rows(kl, tmp_path):
+    """transformers' fused layout (``mlp.experts.gate_up_proj [E, 2f, d]``, gate rows first, ``down_proj [E, d, f]``)
+    reads to the same model; an expert-parallel shard reads only its experts' rows (safetensors slices)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from hf_cases import read_checkpoint
+    from k3train.hf.load import load_hf_weights
+    from k3train.model.moe import GroupedExperts
+    from moonep.shard import shard_experts
+
+    d, _ = kl
+    index, t = read_checkpoint(d)
+    fused: dict[str, torch.Tensor] = {}
+    for i in (1, 2, 3):
+        b = f"model.layers.{i}.block_sparse_moe.experts."
+        gate_up = [torch.cat([t.pop(f"{b}{e}.w1.weight"), t.pop(f"{b}{e}.w3.weight")]) for e in range(8)]
+        fused[f"model.layers.{i}.mlp.experts.gate_up_proj"] = torch.stack(gate_up)
+        fused[f"model.layers.{i}.mlp.experts.down_proj"] = torch.stack([t.pop(f"{b}{e}.w2.weight") for e in range(8)])
+    out = tmp_path / "fused"
+    out.mkdir()
+    (out / "config.json").write_text((d / "config.json").read_text())
+    save_file(t, str(out / "a.safetensors"))
+    save_file(fused, str(out / "b.safetensors"))
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {**{k: "a.safetensors" for k in t}, **{k: "b.safetensors" for k in fused}}}))
+    full = hf.from_pretrained(d)
+    got = hf.from_pretrained(out)
+    for (n, a), (_, b) in zip(full.named_parameters(), got.named_parameters()):
+        assert torch.equal(a, b), n
+    for src in (d, out):  # experts 4..7 of 8 (ep 2, rank 1): per-expert tensors, or rows of the fused stacks
+        model = hf.from_pretrained(src)
+        for m in model.modules():
+            if isinstance(m, GroupedExperts):
+                shard_experts(m, 2, 1)
+                m.w_gate.data.zero_()
+        load_hf_weights([model], model.hf_config, src)
+        ex = model.layers["2"].ffn.experts
+        assert torch.equal(ex.w_gate, full.layers["2"].ffn.experts.w_gate[4:]) and ex.w_gate.shape[0] == 4
+
+
+def test_k3train_model_with_mtp_exports_and_imports(tmp_path):
+    """A model made by k3train (configs/tiny.yaml: Block AttnRes -> the kimi_k3 layout, SiTU-GLU, LatentMoE, MTP)
+    exported without a source (fp32) reads back to the same parameters; the MTP layer in DeepSeek-V3's next-n names."""
+    from k3train.config import load_config
+    from k3train.hf.export import write_hf_shards
+    from k3train.model.model import K3Model
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml",
+                      ["--model.shared_expert_intermediate_size=32", "--model.num_hidden_layers=4"])
+    model = K3Model(cfg.model)
+    model.init_weights(5)
+    write_hf_shards([model], cfg, tmp_path, dtype=torch.float32)
+    names = (tmp_path / "model.safetensors.index.json").read_text()
+    assert "language_model.model.layers.4.eh_proj.weight" in names and "shared_head.norm" in names
+    back = hf.from_pretrained(tmp_path)
+    for (n, a), (m, b) in zip(model.named_parameters(), back.named_parameters()):
+        assert n == m and torch.equal(a, b), n
