@@ -255,9 +255,11 @@ def text_config_from_model(cfg: Config) -> dict[str, Any]:
     else:
         tc.update(max_position_embeddings=m.max_position_embeddings, attn_res_block_size=m.attn_res_block_size)
     if m.latent_moe or fmt == "kimi_k3":
-        tc.update(routed_expert_hidden_size=m.routed_expert_hidden_size, latent_moe_use_norm=bool(m.latent_moe_use_norm))
+        tc.update(routed_expert_hidden_size=m.routed_expert_hidden_size,
+                  latent_moe_use_norm=bool(m.latent_moe_use_norm))
     if m.hidden_act == "situ":
-        tc.update(activation_situ_beta=m.activation_situ_beta, activation_situ_linear_beta=m.activation_situ_linear_beta)
+        tc.update(activation_situ_beta=m.activation_situ_beta,
+                  activation_situ_linear_beta=m.activation_situ_linear_beta)
     return tc
 
 

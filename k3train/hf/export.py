@@ -36,7 +36,7 @@ from k3train.config import Config, ConfigError
 from k3train.hf.config_map import config_json_from_config, read_config_json
 from k3train.hf.load import _peak_rss_gib, choose_source
 from k3train.hf.names import Part, PerExpert, PerExpertMXFP4, Slot, Source, model_slots
-from k3train.hf.safetensors_dir import INDEX, TORCH_DTYPES, HFCheckpointDir
+from k3train.hf.safetensors_dir import INDEX, HFCheckpointDir
 
 log = logging.getLogger(__name__)
 

@@ -50,8 +50,8 @@ A tensor k3train holds and no rule names is a ConfigError (never a silently drop
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -229,7 +229,6 @@ class Slot:
     shape: tuple[int, ...]
     sources: list[Source]
     expert: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -28,8 +28,6 @@ DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16
                "U32": 4, "U64": 8, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
 BYTE_DTYPES = ("U8", "I8", "F8_E8M0")  # packed E2M1 pairs / E8M0 scales, read as uint8
-TORCH_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
-                torch.uint8: "U8", torch.int8: "I8"}
 
 
 @dataclass(frozen=True)

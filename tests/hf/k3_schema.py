@@ -101,7 +101,8 @@ def tensors(seed: int = 0) -> dict[str, torch.Tensor]:
                   m + "gate.e_score_correction_bias": w(E, dtype=torch.float32),
                   m + "routed_expert_down_proj.weight": w(LAT, D), m + "routed_expert_norm.weight": ones(LAT),
                   m + "routed_expert_up_proj.weight": w(D, LAT),
-                  m + "shared_experts.gate_proj.weight": w(NS * F, D), m + "shared_experts.up_proj.weight": w(NS * F, D),
+                  m + "shared_experts.gate_proj.weight": w(NS * F, D),
+                  m + "shared_experts.up_proj.weight": w(NS * F, D),
                   m + "shared_experts.down_proj.weight": w(D, NS * F)})
         for e in range(E):
             for name, out, inn in (("w1", F, LAT), ("w2", LAT, F), ("w3", F, LAT)):
@@ -116,7 +117,8 @@ def tensors(seed: int = 0) -> dict[str, torch.Tensor]:
     t.update({vt + "patch_embed.proj.weight": w(dv, 3, v["patch"], v["patch"]),
               vt + "patch_embed.pos_emb.weight": w(v["pos"], v["pos"], dv),
               vt + "encoder.final_layernorm.weight": ones(dv),
-              "mm_projector.proj.0.weight": w(4 * v["mm"], 4 * v["mm"]), "mm_projector.proj.2.weight": w(D, 4 * v["mm"]),
+              "mm_projector.proj.0.weight": w(4 * v["mm"], 4 * v["mm"]),
+              "mm_projector.proj.2.weight": w(D, 4 * v["mm"]),
               "mm_projector.post_norm.weight": ones(D)})
     for n in range(v["layers"]):
         b = f"{vt}encoder.blocks.{n}."
