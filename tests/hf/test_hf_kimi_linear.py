@@ -321,3 +321,25 @@ def test_k3train_model_with_mtp_exports_and_imports(tmp_path):
     back = hf.from_pretrained(tmp_path)
     for (n, a), (m, b) in zip(model.named_parameters(), back.named_parameters()):
         assert n == m and torch.equal(a, b), n
+
+
+def test_fresh_kimi_linear_export_is_read_by_transformers(tmp_path):
+    """A model k3train made (no imported source: published names, config.json fields, fp32) in the Kimi Linear
+    variants loads in transformers' KimiLinearForCausalLM with the same logits."""
+    from transformers import KimiLinearForCausalLM
+
+    from model_variants import VARIANTS
+    from k3train.config import load_config
+    from k3train.hf.export import write_hf_shards
+    from k3train.model.model import K3Model
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml",
+                      [*VARIANTS["kimi_linear"], "--model.num_nextn_predict_layers=0", "--model.rms_norm_eps=1e-6",
+                       "--model.shared_expert_intermediate_size=32", "--model.num_hidden_layers=4"])
+    model = K3Model(cfg.model)
+    model.init_weights(3)
+    write_hf_shards([model], cfg, tmp_path, dtype=torch.float32)
+    theirs = KimiLinearForCausalLM.from_pretrained(str(tmp_path)).float().eval()
+    ids = _ids(seed=4)
+    with torch.no_grad():
+        torch.testing.assert_close(hf.logits(model.eval(), ids), theirs(ids).logits, rtol=1e-5, atol=1e-6)
