@@ -36,6 +36,7 @@ class ConfigError(ValueError):
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+HIDDEN_ACTS = ("situ", "silu")  # model.hidden_act: the gate activation of every FFN (k3train/model/ffn.py: glu)
 WANDB_MODES = ("online", "offline", "disabled")
 SPLIT_NAMES = ("train", "valid", "test")
 
@@ -67,7 +68,7 @@ class ModelConfig:
     init_std: float = 0.02
     # Gated MLA (DeepSeek-style latent KV, NoPE)
     num_attention_heads: int = 96
-    q_lora_rank: int = 1536  # 0 = no query compression
+    q_lora_rank: int | None = 1536  # null (HF) or 0: no query compression, q = W_q x (Kimi Linear); saved as 0
     kv_lora_rank: int = 512
     qk_nope_head_dim: int = 128
     qk_rope_head_dim: int = 64  # the shared "rope" slot of the latent; K3 uses NoPE, so no rotation is applied
@@ -84,6 +85,8 @@ class ModelConfig:
     kda_decay_rank: int = 128  # low-rank decay projection W_a_up W_a_down
     kda_decay_form: str = "lower_bounded"  # "lower_bounded" (K3) | "softplus" (Kimi Linear)
     gate_lower_bound: float = -5.0
+    # KDA output gate: true = K3's full-rank g_proj (d -> H*K); false = Kimi Linear's low-rank g_b_proj g_a_proj
+    # (d -> kda_head_dim -> H*K, the published rank)
     use_full_rank_gate: bool = True
     kda_chunk_size: int = 64
     # layer plan: 1-based layer i is Gated MLA when i % full_attn_interval == 0 or i == num_hidden_layers
@@ -91,20 +94,26 @@ class ModelConfig:
     # FFN
     intermediate_size: int = 33792  # dense FFN (first_k_dense_replace layers)
     first_k_dense_replace: int = 1
-    hidden_act: str = "situ"
+    hidden_act: str = "situ"  # every FFN (dense, shared, routed experts): "situ" (SiTU-GLU, K3) | "silu" (SwiGLU)
     activation_situ_beta: float = 4.0
     activation_situ_linear_beta: float = 25.0
     # Stable LatentMoE
     num_experts: int = 896
     num_experts_per_token: int = 16
     moe_intermediate_size: int = 3072
-    routed_expert_hidden_size: int = 3584  # latent width l
+    # latent width l; null (HF): no latent projection, the routed experts work in the model width d (Kimi Linear)
+    routed_expert_hidden_size: int | None = 3584
     num_shared_experts: int = 2
     shared_expert_intermediate_size: int = 3072  # per shared expert (not published; chosen to match 2.78T/104.2B)
     latent_moe_use_norm: bool = True
     moe_router_activation_func: str = "sigmoid"
-    moe_renormalize: bool = True
+    moe_renormalize: bool = True  # HF norm_topk_prob: mixing weights of the k routes divided by their sum
     routed_scaling_factor: float = 1.0
+    # grouped top-k (DeepSeek-V3 / Kimi Linear; HF n_group / num_expert_group, topk_group): the experts form
+    # num_expert_group equal groups, a token picks its topk_group groups by the sum of each group's two best
+    # biased scores, then its k experts among them. 1 group: plain top-k
+    num_expert_group: int = 1
+    topk_group: int = 1
     # router balancing: "qb" (Quantile Balancing), "sign" (aux-loss-free sign update), "none"
     router_balance: str = "qb"
     qb_estimator: str = "histogram"  # "histogram" | "exact"
@@ -138,6 +147,17 @@ class ModelConfig:
 
     def is_moe_layer(self, i: int) -> bool:
         return i >= self.first_k_dense_replace and self.num_experts > 0
+
+    @property
+    def latent_moe(self) -> bool:
+        """Whether the MoE projects to a latent width for the routed experts (``routed_expert_hidden_size`` set)."""
+        return self.routed_expert_hidden_size is not None
+
+    @property
+    def expert_hidden_size(self) -> int:
+        """The width the routed experts work in (and the expert-parallel dispatch moves): the latent width, or the
+        model width ``hidden_size`` without a latent projection."""
+        return self.routed_expert_hidden_size if self.routed_expert_hidden_size is not None else self.hidden_size
 
 
 @dataclass
@@ -260,6 +280,11 @@ class CheckpointConfig:
     # this many seconds after the signal, the rank exits and the last complete checkpoint stays. Keep it under
     # the scheduler's grace period and torchrun's --shutdown-timeout (30 s by default), after which come SIGKILLs
     preempt_timeout_s: float = 25.0
+    # a Hugging Face checkpoint directory (config.json + safetensors, kimi_linear / kimi_k3) to START from: a fresh
+    # run loads its weights in any parallel layout, each rank only its own tensors (k3train/hf/load.py); a resume
+    # ignores it. Checked before anything is built (k3train/preflight.py); write the matching run config with
+    # `k3train import-hf HF_DIR -o RUN.yaml`
+    load_hf: str = ""
 
 
 @dataclass
@@ -359,7 +384,8 @@ class Config:
         need(m.gate_lower_bound < 0, "model.gate_lower_bound", "must be negative")
         need(m.kda_chunk_size % 16 == 0 and m.kda_chunk_size > 0, "model.kda_chunk_size",
              f"must be a positive multiple of 16 (sub-tiles of 16), got {m.kda_chunk_size}")
-        need(m.hidden_act == "situ", "model.hidden_act", f"only 'situ' is implemented, got {m.hidden_act!r}")
+        need(m.hidden_act in HIDDEN_ACTS, "model.hidden_act",
+             f"must be one of {', '.join(HIDDEN_ACTS)} (SiTU-GLU, SwiGLU), got {m.hidden_act!r}")
         need(m.router_balance in ("qb", "sign", "none"), "model.router_balance",
              f"must be 'qb', 'sign' or 'none', got {m.router_balance!r}")
         need(m.qb_estimator in ("histogram", "exact"), "model.qb_estimator", "must be 'histogram' or 'exact'")
@@ -371,13 +397,29 @@ class Config:
             need(1 <= m.num_experts_per_token < m.num_experts, "model.num_experts_per_token",
                  f"must be in [1, num_experts) (Quantile Balancing routes top-(k+1)), got {m.num_experts_per_token}"
                  f" with num_experts={m.num_experts}")
-            need(m.routed_expert_hidden_size > 0, "model.routed_expert_hidden_size", "must be > 0")
+            need(m.routed_expert_hidden_size is None or m.routed_expert_hidden_size > 0,
+                 "model.routed_expert_hidden_size", "must be > 0, or null (no latent projection)")
+            need(m.latent_moe or not m.latent_moe_use_norm, "model.latent_moe_use_norm",
+                 "true needs a latent projection (model.routed_expert_hidden_size), which is null: the latent norm "
+                 "would not exist; set latent_moe_use_norm=false", "model.latent_moe_use_norm",
+                 "model.routed_expert_hidden_size")
+            G = m.num_expert_group
+            need(isinstance(G, int) and G >= 1 and m.num_experts % G == 0, "model.num_expert_group",
+                 f"must be >= 1 and divide num_experts={m.num_experts}, got {G}")
+            need(G == 1 or m.num_experts // G >= 2, "model.num_expert_group",
+                 f"grouped top-k scores a group by its two best experts: needs >= 2 experts per group, got "
+                 f"{m.num_experts // G}")
+            need(1 <= m.topk_group <= G, "model.topk_group", f"must be in [1, num_expert_group={G}], got "
+                 f"{m.topk_group}", "model.topk_group", "model.num_expert_group")
+            need(m.topk_group * (m.num_experts // G) > m.num_experts_per_token, "model.topk_group",
+                 f"topk_group={m.topk_group} groups of {m.num_experts // G} experts leave fewer than "
+                 f"num_experts_per_token + 1 = {m.num_experts_per_token + 1} experts to route over (Quantile "
+                 f"Balancing routes top-(k+1))", "model.topk_group", "model.num_expert_group",
+                 "model.num_experts_per_token")
         # variants the published configs name but K3 does not use: rejected here, before any work starts
         need(m.mla_use_nope, "model.mla_use_nope", "false (rotary MLA) is not implemented; K3 uses NoPE")
         need(isinstance(m.mla_block_size, int) and m.mla_block_size > 0, "model.mla_block_size",
              f"must be a positive integer (the blockwise MLA attention's block), got {m.mla_block_size!r}")
-        need(m.use_full_rank_gate, "model.use_full_rank_gate",
-             "false (Kimi Linear's low-rank output gate) is not implemented; K3 uses the full-rank gate")
         need(not m.tie_word_embeddings, "model.tie_word_embeddings", "true is not supported (K3 unties them)")
         need(m.attn_res_block_size >= 1, "model.attn_res_block_size", "must be >= 1")
         # residual stream (Block AttnRes or the standard PreNorm ablation)
@@ -403,6 +445,8 @@ class Config:
         sizes += ["qb_bins"] if has_moe and m.router_balance == "qb" and m.qb_estimator == "histogram" else []
         for k in sizes:
             need(getattr(m, k) >= 1, f"model.{k}", f"must be >= 1, got {getattr(m, k)}")
+        if m.q_lora_rank is None:  # HF's null: no query compression, the same model as 0
+            m.q_lora_rank = 0
         for k in ("q_lora_rank", "qk_rope_head_dim", "num_experts", "num_shared_experts"):
             need(getattr(m, k) >= 0, f"model.{k}", f"must be >= 0, got {getattr(m, k)}")
         for k in ("rms_norm_eps", "init_std", "activation_situ_beta", "activation_situ_linear_beta",
@@ -500,10 +544,11 @@ class Config:
              f"{t.qat_activations} expert inputs are part of QAT: set train.qat=mxfp4 as well",
              "train.qat_activations", "train.qat")
         if t.qat != "none" and has_moe:
-            for k in ("routed_expert_hidden_size", "moe_intermediate_size"):
-                need(getattr(m, k) % 32 == 0, "train.qat",
+            for k, v in (("routed_expert_hidden_size" if m.latent_moe else "hidden_size", m.expert_hidden_size),
+                         ("moe_intermediate_size", m.moe_intermediate_size)):
+                need(v % 32 == 0, "train.qat",
                      f"{t.qat} quantizes the routed experts in blocks of 32 along their reduction dims, but "
-                     f"model.{k}={getattr(m, k)} is not a multiple of 32", "train.qat", f"model.{k}")
+                     f"model.{k}={v} is not a multiple of 32", "train.qat", f"model.{k}")
 
         # optim
         need(o.name in ("muon", "adamw"), "optim.name", f"must be 'muon' or 'adamw', got {o.name!r}")

@@ -98,6 +98,12 @@ class Trainer:
         seed_everything(cfg.train.seed)
 
         self.pm: ParallelModel = parallelize(cfg, self.dims, self.env.device)
+        from k3train.preflight import starts_from_hf
+
+        if starts_from_hf(cfg):  # before the optimizer: its fp32 masters of bf16 parameters start from these values
+            from k3train.hf.load import load_hf_weights, log_load_stats
+
+            log_load_stats(load_hf_weights(self.pm.modules, cfg), cfg.checkpoint.load_hf)
         self.kernels = _apply_kernels(cfg, self.pm, self.env.device)
         from k3train.optim import build_optimizer, lr_at
 

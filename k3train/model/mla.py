@@ -2,12 +2,12 @@
 
 Per token ``x [d]``, ``H`` heads, ``Dn = qk_nope_head_dim``, ``Dr = qk_rope_head_dim``, ``Dv = v_head_dim``::
 
-    q      = W_uq RMSNorm(W_dq x)                     [H, Dn + Dr]      (q_lora_rank = 0: q = W_q x)
+    q      = W_uq RMSNorm(W_dq x)                     [H, Dn + Dr]      (q_lora_rank 0 / null: q = W_q x)
     latent = W_dkv x = [c_kv (kv_lora_rank) ; k_pe (Dr)]                 <- the only per-token KV cache (576 in K3)
     [k_nope ; v] = W_ukv RMSNorm(c_kv)                [H, Dn + Dv]
     k      = [k_nope ; k_pe broadcast over heads]     [H, Dn + Dr]
     o      = softmax(q k^T * (Dn + Dr)^-0.5 + mask) v      mask: key_pos <= query_pos and key_doc == query_doc
-    y      = W_o [sigmoid(W_g x) * o]
+    y      = W_o [sigmoid(W_g x) * o]                 (mla_use_output_gate false: y = W_o o, as Kimi Linear)
 
 NoPE (``mla_use_nope``): no rotary embedding is applied; the "rope" slot keeps its dimensions (it is part of the
 cached latent and of the q.k product) so checkpoints keep the published shapes. The attention is computed in
@@ -96,7 +96,7 @@ class MLA(nn.Module):
         if not cfg.mla_use_nope:
             raise ValueError("model.mla_use_nope=false (rotary MLA) is not implemented; K3 uses NoPE")
         d, H = cfg.hidden_size, cfg.num_attention_heads
-        self.num_heads, self.q_lora_rank, self.kv_lora_rank = H, cfg.q_lora_rank, cfg.kv_lora_rank
+        self.num_heads, self.q_lora_rank, self.kv_lora_rank = H, cfg.q_lora_rank or 0, cfg.kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.qk_dim = self.nope_dim + self.rope_dim
         if H <= 0 or self.qk_dim <= 0 or self.v_dim <= 0:

@@ -632,8 +632,8 @@ def ep_buffers(cfg: Config, model: nn.Module, ep: int, B: int, T: int) -> tuple[
     es = 2 if cfg.train.dtype == "bfloat16" else 4
     n = m.num_experts // ep
     send, recv = token_buffer_rows(B * T, m.num_experts_per_token, ep, n, cfg.parallel.moonep)
-    persistent = (send + recv) * m.routed_expert_hidden_size * es
-    replica = 3 * n * m.routed_expert_hidden_size * m.moe_intermediate_size * es if cfg.parallel.moonep else 0
+    persistent = (send + recv) * m.expert_hidden_size * es
+    replica = 3 * n * m.expert_hidden_size * m.moe_intermediate_size * es if cfg.parallel.moonep else 0
     if replica:
         from moonep.replica_pool import NUM_BANKS
 

@@ -226,7 +226,7 @@ def layer_compute(cfg: Any, dev: Device, lay: Any, layer_times: Any, skew: float
     B, Tfull = lay.mbs, cfg.train.seq_len
     T = Tfull // lay.cp
     N = B * T
-    routed = 2.0 * m.num_experts_per_token * 3 * m.routed_expert_hidden_size * m.moe_intermediate_size
+    routed = 2.0 * m.num_experts_per_token * 3 * m.expert_hidden_size * m.moe_intermediate_size
     sk = 1.0 if (lay.moonep or lay.ep == 1) else skew
     if layer_times is not None:
         t = layer_times.layers(cfg, B, T, lay.ep, lay.moonep)
@@ -277,7 +277,7 @@ def comm_per_layer(cfg: Any, dev: Device, lay: Any, skew: float,
             sk = 1.0 if lay.moonep else skew
             # moonep/dispatcher.py: forward = routing-count all-gather + dispatch + combine all-to-all; backward
             # = the two all-to-alls of the gradients
-            a2a = ring_time("all_to_all", 2 * rows * m.routed_expert_hidden_size * es * sk, ep_ranks, dev, calls=2)
+            a2a = ring_time("all_to_all", 2 * rows * m.expert_hidden_size * es * sk, ep_ranks, dev, calls=2)
             f += a2a + ring_time("all_gather", lay.ep * m.num_experts * 4, ep_ranks, dev)
             b += a2a
             if lay.moonep and p2p is not None and p2p[j] is not None:
@@ -288,7 +288,7 @@ def comm_per_layer(cfg: Any, dev: Device, lay: Any, skew: float,
             elif lay.moonep:
                 n_loc = m.num_experts // lay.ep
                 red = min(n_loc, math.ceil(max(0.0, skew - 1.0) * n_loc))
-                w = 3 * m.routed_expert_hidden_size * m.moe_intermediate_size
+                w = 3 * m.expert_hidden_size * m.moe_intermediate_size
                 lat, bwid = group_link(ep_ranks, dev)
                 if red:  # the shared replica pool: fetched in forward, fetched again + fp32 grads reduced back
                     f += dev.call_cost("p2p") + lat + red * w * es / bwid
