@@ -13,7 +13,9 @@ world size) and then runs :func:`preflight` for what the config alone cannot sho
   the run READS holding at least one ``seq_len + 1``-token sample. The train split is always read; the valid
   split only when ``train.eval_interval > 0``; the test split never (a split nobody reads is not checked and
   not built, so a tiny one cannot fail a run);
-* the pipeline partition and whether the schedule can run with this many micro-batches.
+* the pipeline partition and whether the schedule can run with this many micro-batches;
+* ``train.objective=eagle3``: the target checkpoint (k3train/draft/target.py: complete, undamaged, an MTP layer,
+  this run's model and tokenizer).
 
 Bad input raises ConfigError, DataError or ParallelConfigError (:func:`is_bad_input`), each message one line
 naming the key; anything else is a bug, not bad input. Config errors are found before torch, megatron or the data
@@ -199,6 +201,10 @@ def preflight(cfg: Config) -> None:
     from k3train.nonfinite import check_injection  # noqa: PLC0415
 
     check_injection(cfg)  # a malformed K3TRAIN_INJECT_NAN (test fault injection) is bad input too
+    if cfg.train.objective == "eagle3":
+        from k3train.draft.target import check_target  # noqa: PLC0415
+
+        check_target(cfg)  # the frozen target checkpoint of EAGLE-3 draft training (k3train/draft/target.py)
     from k3train.checkpoint.resume import resume_preflight  # noqa: PLC0415
 
     resume_preflight(cfg)  # run directory, checkpoint to resume, run fingerprint (k3train/checkpoint/resume.py)

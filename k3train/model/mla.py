@@ -193,6 +193,12 @@ class MLA(nn.Module):
         if track:
             with torch.no_grad():
                 self.qk_max.copy_(torch.maximum(self.qk_max, max_logit.to(self.qk_max.dtype)))
+        return self.project_out(x, o)
+
+    def project_out(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """The attention output ``o [B, H, T, Dv]`` (fp32) of the layer input ``x [B, T, d]`` -> ``y [B, T, d]``:
+        the sigmoid output gate, then W_o."""
+        B, T, _ = x.shape
         o = o.transpose(1, 2).reshape(B, T, self.num_heads * self.v_dim)
         if self.use_output_gate:
             o = torch.sigmoid(self.g_proj(x)) * o
