@@ -193,6 +193,9 @@ class MetricsLogger:
                      f"{rec['ep_load_max_over_mean_after']:.2f}")
         if "val_loss" in rec:
             line += f" | val_loss {rec['val_loss']:.4f}"
+        for k, name in (("draft_accept_len", "accept len"), ("val_draft_accept_len", "val accept len")):
+            if k in rec:  # an EAGLE-3 draft run (k3train/draft/objective.py)
+                line += f" | {name} {rec[k]:.3f}"
         if rec.get("skipped"):
             line += " | SKIPPED (non-finite)"
         print(line, flush=True)

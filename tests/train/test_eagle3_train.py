@@ -5,8 +5,9 @@ trained and checkpointed once; then
   bit for bit the target checkpoint's, the optimizer holds state for the draft only and the draft moves;
   ``metrics.jsonl`` and the run summary carry ``draft_accept`` / ``draft_accept_len`` on the training batch and the
   validation split;
-* pp = 2 and dp = 2 (two gloo ranks, both layouts in one spawn): per step the loss and acceptance, the draft's
-  gradients, every parameter and the owned optimizer state equal the reference;
+* pp = 2, dp = 2 and dp = 2 x ep = 2 with MoonEP (two gloo ranks, the layouts in one spawn): per step the loss and
+  acceptance (training batch and validation split), the draft's gradients, every parameter and the owned optimizer
+  state equal the reference. Every run fine-tunes under MXFP4 / MXFP8 QAT of the routed experts;
 * bad targets (preflight, one line each): another model, one without an MTP layer.
 """
 from __future__ import annotations
@@ -28,13 +29,18 @@ from trainer_parity import assert_close_all, max_diffs, owned_grads, parity_cfg 
 
 STEPS = 3
 DATA = ["--data.split=90,10,0", "--train.eval_interval=2", "--train.eval_iters=1"]
-DRAFT = ["--train.objective=eagle3", "--train.draft_feature_blocks=[1,2]"]
-LAYOUTS = [("pp2", ["--parallel.pp=2"]), ("dp2", ["--parallel.dp=2"])]
+# the draft is fine-tuned under MXFP4 / MXFP8 QAT of the routed experts (the frozen target's forward quantized too)
+DRAFT = ["--train.objective=eagle3", "--train.draft_feature_blocks=[1,2]", "--train.qat=mxfp4",
+         "--train.qat_activations=mxfp8"]
+LAYOUTS = [("pp2", ["--parallel.pp=2"]), ("dp2", ["--parallel.dp=2"]),
+           ("dp2_ep2_moonep", ["--parallel.dp=2", "--parallel.ep=2", "--parallel.moonep=true"])]
 PARAM_ATOL = 1e-5  # parameters: as tests/integration/test_pipeline_zero_parity.py (a wrong gradient moves them by O(lr))
-# gradients / optimizer state, relative to each tensor's max |value|: step 1 starts from identical parameters (fp32
-# summation order only); later steps carry that noise through the updates (as in test_pipeline_zero_parity.py). A
-# lost micro-batch or rank moves a gradient by O(its scale).
-SCALE_TOL = {0: 3e-6, "later": 1e-3}
+# gradients / optimizer state. Step 1 starts from identical parameters: element-wise within STEP1_SCALE_TOL of each
+# tensor's max |value| (fp32 summation order only). Later steps start from parameters that differ by fp32 noise, and
+# under QAT such noise can move an expert weight across an MXFP4 rounding boundary -- a whole quantization step for
+# that element (measured: one gradient entry at 5.7e-3 of its tensor's scale at step 3) -- so there each tensor is
+# held to ||mine - ref|| <= LATER_REL_TOL ||ref||. A lost micro-batch or rank moves a gradient by O(its norm).
+STEP1_SCALE_TOL, LATER_REL_TOL = 3e-6, 1e-3
 
 
 def _draft_cfg(out: Path, target: Path, world: int, layout: list[str], extra: list[str] = ()):
@@ -91,6 +97,8 @@ def reference(targets) -> list[dict]:
         snaps = _run_steps(tr)
         snaps[0]["buffers"] = {n: b.detach().clone() for n, b in tr.pm.model.named_buffers() if n.endswith(".bias")}
         snaps[0]["summary"] = tr.summary.lines(1.0, [0.0], "none")
+        quant = tr.pm.model.mtp.ffn.experts.quant
+        snaps[0]["qat"] = (quant.weights, quant.inputs)
     finally:
         tr.close()
     return snaps
@@ -98,6 +106,7 @@ def reference(targets) -> list[dict]:
 
 def test_target_frozen_draft_trained_and_acceptance_logged(targets, reference):
     first, last = reference[0], reference[-1]
+    assert first["qat"] == ("mxfp4", "mxfp8")
     draft = {n for n in last["params"] if n.split(".")[0] in ("mtp", "eagle3")}
     assert "eagle3.weight" in draft and len(draft) > 10
     for n, p in last["params"].items():  # the target: exactly the checkpoint's weights after every draft step
@@ -124,6 +133,27 @@ def test_target_frozen_draft_trained_and_acceptance_logged(targets, reference):
     assert "draft acceptance (training batch, step 3)" in summary and "draft acceptance (validation, step 3)" in summary
 
 
+def _assert_state_close(mine: dict, ref: dict, step: int, what: str) -> None:
+    if step == 0:
+        assert_close_all(mine, ref, 0.0, 1e-5, what, scale_atol=STEP1_SCALE_TOL)
+        return
+    for k, v in mine.items():
+        err = float((v.double() - ref[k].double()).norm())
+        assert err <= LATER_REL_TOL * float(ref[k].double().norm()) + 1e-12, (what, k, err, float(ref[k].norm()))
+
+
+def _local(mine: dict, ref: dict, ep_rank: int) -> dict:
+    """The reference entries of ``mine``'s keys; a routed-expert stack (and its state) sharded by EP: this rank's
+    slice of experts ``[ep_rank * n, (ep_rank + 1) * n)``."""
+    out = {}
+    for k, v in mine.items():
+        r = ref[k]
+        if v.shape != r.shape and v.dim() == r.dim() and v.shape[1:] == r.shape[1:]:
+            r = r[ep_rank * v.shape[0]:(ep_rank + 1) * v.shape[0]]
+        out[k] = r
+    return out
+
+
 def _layout_body(rank: int, world: int, ref_path: str, target: str, out: str) -> None:
     from k3train.trainer import Trainer
 
@@ -143,15 +173,16 @@ def _layout_body(rank: int, world: int, ref_path: str, target: str, out: str) ->
                     if k in want:
                         torch.testing.assert_close(torch.tensor(rec[k]), torch.tensor(want[k]), rtol=1e-5, atol=1e-6)
                 assert math.isclose(rec["grad_norm"], want["grad_norm"], rel_tol=1e-5), (name, step)
+                ep = tr.dims.ep_rank
                 params = {n: p.detach() for n, p in tr.pm.model.named_parameters()}
-                assert_close_all(params, ref["params"], PARAM_ATOL, 1e-5, f"{name} rank {rank} step {step + 1}: param")
-                mine, tol = owned_grads(tr), SCALE_TOL.get(step, SCALE_TOL["later"])
-                assert_close_all(mine, ref["grads"], 0.0, 1e-5, f"{name} rank {rank} step {step + 1}: grad",
-                                 scale_atol=tol)
-                assert_close_all(tr.optimizer.state_dict(), ref["optim"], 0.0, 1e-5,
-                                 f"{name} rank {rank} step {step + 1}: state", scale_atol=tol)
+                assert_close_all(params, _local(params, ref["params"], ep), PARAM_ATOL, 1e-5,
+                                 f"{name} rank {rank} step {step + 1}: param")
+                mine, state = owned_grads(tr), tr.optimizer.state_dict()
+                _assert_state_close(mine, _local(mine, ref["grads"], ep), step, f"{name} rank {rank} step {step + 1}: grad")
+                _assert_state_close(state, _local(state, ref["optim"], ep), step,
+                                    f"{name} rank {rank} step {step + 1}: state")
                 held = [None] * world
-                dist.all_gather_object(held, (sorted(mine), max_diffs(mine, ref["grads"])[1]))
+                dist.all_gather_object(held, (sorted(mine), max_diffs(mine, _local(mine, ref["grads"], ep))[1]))
                 if rank == 0:  # the ranks' owned gradients together are the reference's draft gradients
                     assert set().union(*(set(h[0]) for h in held)) == set(ref["grads"]), name
         finally:
