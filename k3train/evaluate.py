@@ -10,7 +10,11 @@ What evaluation must not touch: gradients (``torch.no_grad``), the Quantile-Bala
 and the QK-Clip maxima (the model is put in eval mode: routers and MLA only collect in training mode), the
 MoonEP dispatch metrics of the next training step (drained afterwards), the training data position and RNG.
 Under pipeline parallelism it runs the schedule's forward actions only (``runner.forward_only``); every rank
-joins the same p2p and the final all-reduce.
+joins the same p2p and the final all-reduce. Every module's train/eval mode is restored afterwards (an EAGLE-3 draft
+run keeps its frozen target in eval mode and its draft in train mode).
+
+An EAGLE-3 draft run (``train.objective=eagle3``) logs instead ``val_loss`` (the draft objective), ``val_draft_accept``
+(the per-step acceptance) and ``val_draft_accept_len`` (the expected accepted length): k3train/draft/objective.py.
 """
 from __future__ import annotations
 

@@ -51,7 +51,8 @@ def untrained(args: list[str], out: Path) -> dict:
     from k3train.preflight import validate_run
     from k3train.trainer import Trainer
 
-    cfg = validate_run(args[1], [*args[2:], f"--train.out_dir={out}", "--checkpoint.resume=none",
+    cfg = validate_run(args[1], [*args[2:], "--train.eval_interval=1", f"--train.out_dir={out}",
+                                 "--checkpoint.resume=none",
                                  "--logging.wandb=false", "--logging.peak_flops=1e9", "--logging.level=WARNING"])
     tr = Trainer(cfg)
     try:
