@@ -171,8 +171,14 @@ class MetricsLogger:
     def log(self, rec: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        # strict JSON: a skipped step's NaN/inf loss is written as null (json.dumps would write NaN)
-        strict = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in rec.items()}
+        # strict JSON: a skipped step's NaN/inf loss is written as null (json.dumps would write NaN), also inside a
+        # list (an EAGLE-3 run's per-step draft_accept)
+        def finite(v: Any) -> Any:
+            if isinstance(v, list):
+                return [finite(x) for x in v]
+            return None if isinstance(v, float) and not math.isfinite(v) else v
+
+        strict = {k: finite(v) for k, v in rec.items()}
         self._f.write(json.dumps(strict, allow_nan=False) + "\n")
         self._f.flush()
         if self.wandb is not None:

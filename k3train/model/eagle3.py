@@ -160,7 +160,7 @@ def unrolled_draft(mtp: nn.Module, fused: torch.Tensor, embed: nn.Module, labels
     cache, h, out = TTTCache(), fused, []
     for j in range(steps):
         tok = shift_left(labels, j).clamp(0, vocab - 1)  # x_{t+1+j}; past the row: any id (masked out)
-        h = mtp.hidden(h, embed(tok), seq, attend=lambda a, j=j: ttt_attention(mtp.attn, a, seq, cache, j))
+        h = mtp.hidden(h, embed(tok), seq, attend=lambda attn, a, j=j: ttt_attention(attn, a, seq, cache, j))
         out.append(h)
     return out
 

@@ -171,7 +171,13 @@ class MLA(nn.Module):
         """The parameters :meth:`expand_latent` reads (the blockwise op returns their gradients)."""
         return (self.kv_a_layernorm.weight, self.kv_b_proj.weight)
 
-    def forward(self, x: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, seq: SeqInfo,
+                attend: Callable[[MLA, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """``attend(self, x)`` (optional) computes the layer's output instead of the causal attention over ``seq``:
+        the EAGLE-3 draft's training-time test (k3train/model/eagle3.py), run through this module's call so module
+        hooks see it."""
+        if attend is not None:
+            return attend(self, x)
         B, T, _ = x.shape
         q = self.project_q(x)
         latent = self.kv_a_proj_with_mqa(x)

@@ -50,11 +50,10 @@ class MTPLayer(nn.Module):
         return self.norm(self.hidden(h_main, next_token_emb, seq))
 
     def hidden(self, h_main: torch.Tensor, next_token_emb: torch.Tensor, seq: SeqInfo,
-               attend: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-        """The layer's output BEFORE its final ``norm`` ``[B, T, d]``. ``attend(x)`` (optional) replaces
-        ``attn(x, seq)`` on the normalised attention input: the EAGLE-3 draft's training-time test attends over
-        its own earlier steps as well (k3train/model/eagle3.py)."""
+               attend: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+        """The layer's output BEFORE its final ``norm`` ``[B, T, d]``. ``attend(attn, x)`` (optional) replaces the
+        attention's causal computation (``MLA.forward``): the EAGLE-3 draft's training-time test attends over its
+        own earlier steps as well (k3train/model/eagle3.py)."""
         h = self.eh_proj(torch.cat([self.hnorm(h_main), self.enorm(next_token_emb)], dim=-1))
-        a = self.attn_norm(h)
-        h = h + (self.attn(a, seq) if attend is None else attend(a))
+        h = h + self.attn(self.attn_norm(h), seq, attend)
         return h + self.ffn(self.ffn_norm(h))
