@@ -69,12 +69,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=150, help="draft training steps (each loss)")
     ap.add_argument("--eval-iters", type=int, default=10, help="validation global batches")
     ap.add_argument("--blocks", default="[1,2]", help="train.draft_feature_blocks (tiny has 2 completed blocks)")
+    ap.add_argument("--work-dir", default="", help="keep the runs here (a new directory; default: a temporary one)")
     a, overrides = ap.parse_known_args()
     bad = [o for o in overrides if not (o.startswith("--") and "=" in o)]
     if bad:
         ap.error(f"unrecognized arguments: {' '.join(bad)} (overrides are --section.key=value)")
+    if a.work_dir and Path(a.work_dir).exists():
+        ap.error(f"--work-dir {a.work_dir} exists (the benchmark writes new runs only)")
     with tempfile.TemporaryDirectory(prefix="k3train-bench-draft-") as tmp:
-        tmp = Path(tmp)
+        tmp = Path(a.work_dir or tmp)
         target = Path(a.target) if a.target else None
         if target is None:
             recs = run(["--config", a.config, f"--train.steps={a.target_steps}", "--checkpoint.interval=0"],

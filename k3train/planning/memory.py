@@ -706,8 +706,8 @@ def check_modelled(cfg: Any) -> None:
     from k3train.config import ConfigError
 
     if cfg.train.objective != "lm":
-        raise ConfigError(f"train.objective: the memory estimate and the planner model LM training "
-                          f"(train.objective=lm), not the {cfg.train.objective} draft step ({cfg.origin('train.objective')})")
+        raise ConfigError(f"train.objective: the memory estimate and the planner model LM training (train.objective="
+                          f"lm), not the {cfg.train.objective} draft step ({cfg.origin('train.objective')})")
 
 
 def estimate(cfg: Config, world_size: int, cache: Any = None, media: MediaCase | None = None) -> Estimate:

@@ -34,7 +34,7 @@ DRAFT = ["--train.objective=eagle3", "--train.draft_feature_blocks=[1,2]", "--tr
          "--train.qat_activations=mxfp8"]
 LAYOUTS = [("pp2", ["--parallel.pp=2"]), ("dp2", ["--parallel.dp=2"]),
            ("dp2_ep2_moonep", ["--parallel.dp=2", "--parallel.ep=2", "--parallel.moonep=true"])]
-PARAM_ATOL = 1e-5  # parameters: as tests/integration/test_pipeline_zero_parity.py (a wrong gradient moves them by O(lr))
+PARAM_ATOL = 1e-5  # parameters: as test_pipeline_zero_parity.py (a wrong gradient moves them by O(lr))
 # gradients / optimizer state. Step 1 starts from identical parameters: element-wise within STEP1_SCALE_TOL of each
 # tensor's max |value| (fp32 summation order only). Later steps start from parameters that differ by fp32 noise, and
 # under QAT such noise can move an expert weight across an MXFP4 rounding boundary -- a whole quantization step for
@@ -178,7 +178,8 @@ def _layout_body(rank: int, world: int, ref_path: str, target: str, out: str) ->
                 assert_close_all(params, _local(params, ref["params"], ep), PARAM_ATOL, 1e-5,
                                  f"{name} rank {rank} step {step + 1}: param")
                 mine, state = owned_grads(tr), tr.optimizer.state_dict()
-                _assert_state_close(mine, _local(mine, ref["grads"], ep), step, f"{name} rank {rank} step {step + 1}: grad")
+                _assert_state_close(mine, _local(mine, ref["grads"], ep), step,
+                                    f"{name} rank {rank} step {step + 1}: grad")
                 _assert_state_close(state, _local(state, ref["optim"], ep), step,
                                     f"{name} rank {rank} step {step + 1}: state")
                 held = [None] * world
