@@ -6,8 +6,9 @@ is what a ring step moves), the scale-out NIC per GPU (400 Gb/s = 50 GB/s), 8 GP
 efficiencies (fractions of those peaks that the planner assumes): ``compute_eff`` 0.55 of the bf16 peak for
 model matmuls (large-GEMM throughput; the end-to-end MFU the plan reports is lower: bubble, communication and
 optimizer come on top), ``link_eff`` 0.8 of the link bandwidth for collectives and p2p, ``hbm_eff`` 0.8 for
-memory-bound updates (AdamW, Muon's elementwise part), ``ep_overlap`` 0.5 of the EP all-to-all hidden under
-compute (the K3 report overlaps dispatch/combine with compute). Every field is overridable
+memory-bound updates (AdamW, Muon's elementwise part). No overlap of communication with compute is assumed: the
+runtime issues every EP all-to-all in line, so the planner charges all of it (what is hidden must come from a
+schedule the runtime executes, not a factor). Every field is overridable
 (``--device-field peak_flops=1.2e15``).
 
 ``cpu``: one torchrun rank per process on this host; everything is measured once and cached in a JSON file
@@ -50,7 +51,6 @@ class Device:
     compute_eff: float = 0.55
     link_eff: float = 0.8
     hbm_eff: float = 0.8
-    ep_overlap: float = 0.5
     cores: int = 0             # cpu: cores shared by the ranks of the host (0 = no sharing: a GPU each)
     threads: int = 1           # cpu: intra-op threads per rank
     calibration: dict[str, Any] = field(default_factory=dict)
@@ -475,7 +475,7 @@ def calibrate_cpu(world_size: int, path: Path, log: Any = print) -> Device:
     return Device("cpu", peak_flops=cal["matmul_flops"], hbm_bytes=ram / max(1, world_size), hbm_bw=cal["copy_bw"],
                   nvlink_bw=cal["p2p_bw"], internode_bw=cal["p2p_bw"], gpus_per_node=max(1, world_size),
                   lat_intra=cal["p2p_latency_s"], lat_inter=cal["p2p_latency_s"], call_lat=call_lat, compute_eff=1.0,
-                  link_eff=1.0, hbm_eff=1.0, ep_overlap=0.0, cores=cores, threads=threads,
+                  link_eff=1.0, hbm_eff=1.0, cores=cores, threads=threads,
                   calibration={**cal, "path": str(path), "key": key})
 
 

@@ -15,8 +15,9 @@ Per virtual stage and micro-batch (``B = micro_batch_size`` rows of ``T = seq_le
   ``N*k`` latent rows, the ``(ep-1)/ep`` that leave the rank (x skew on the busiest receiver without MoonEP); MoonEP
   adds the redundant experts' weight prefetch and their fp32 gradient reduce-back: on ``cpu`` the point-to-point
   calls and bytes its dispatcher issued while the layers were timed (each call a ``Device.call_cost('p2p')``), on
-  GPUs ``min(E/ep, ceil((skew-1) E/ep))`` experts of ``3 l f`` each; ``1 - ep_overlap`` of it is exposed. KCP -- per KDA layer one all-gather of
-  the ``B x H x dk x (dk+dv)`` fp32 pairs forward and one backward; MLA-CP -- per MLA layer an all-gather of the
+  GPUs ``min(E/ep, ceil((skew-1) E/ep))`` experts of ``3 l f`` each; all of it exposed (the runtime issues it in
+  line). KCP -- per KDA layer one all-gather of the ``B x H x dk x (dk+dv)`` fp32 pairs forward and one backward;
+  MLA-CP -- per MLA layer an all-gather of the
   ``B x T x (kv_lora_rank + rope)`` latents forward and a reduce-scatter backward; KCP's short-convolution halo
   and per-micro-batch layout exchange; the MTP layer's on the last stage. Ring formulas (``(n-1)`` latency
   steps, ``(n-1)/n x bytes`` per rank) on the link the group spans, plus ``Device.call_cost(kind)`` per call
@@ -293,7 +294,6 @@ def comm_per_layer(cfg: Any, dev: Device, lay: Any, skew: float,
                 if red:  # the shared replica pool: fetched in forward, fetched again + fp32 grads reduced back
                     f += dev.call_cost("p2p") + lat + red * w * es / bwid
                     b += 2 * (dev.call_cost("p2p") + lat) + red * w * (es + 4) / bwid
-            f, b = f * (1 - dev.ep_overlap), b * (1 - dev.ep_overlap)
         if lay.cp > 1:
             if kind == "kda":
                 # kcp/halo.py: the short convolutions' halo (all-gather forward, reduce-scatter backward);
