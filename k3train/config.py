@@ -37,6 +37,7 @@ class ConfigError(ValueError):
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 WANDB_MODES = ("online", "offline", "disabled")
+RECOMPUTE_GRANULARITIES = ("chunk", "layer", "sublayer")  # parallel.recompute_granularity
 SPLIT_NAMES = ("train", "valid", "test")
 
 
@@ -151,7 +152,15 @@ class ParallelConfig:
     attnres_comm: str = "cached"  # "cached" | "full"
     schedule: str = "auto"  # "auto" (interleaved 1F1B if vpp > 1 else 1F1B) | "1f1b" | "interleaved" | "afab"
     pp_layers: list[int] = field(default_factory=list)  # explicit layers per virtual stage (pp*vpp entries)
-    recompute: bool = False  # full activation recomputation per stage
+    recompute: bool = False  # full activation recomputation (what is kept: recompute_granularity)
+    # the unit recomputed at once in a backward: "chunk" (a whole virtual stage: only its input is kept, all its
+    # layers' activations live together in its backward) | "layer" (each layer's input kept) | "sublayer" (the
+    # input of each token mixer and FFN kept; the mixers' head chunks and the MoE token chunks recomputed one at a
+    # time: what a 64K-token CP slice of K3 needs, README "Long context")
+    recompute_granularity: str = "chunk"
+    # context parallel: MLA queries balanced over the CP ranks by half-segment swaps between rank pairs (kcp/mla_cp.py;
+    # false: every rank attends its own segment's queries, the last rank doing cp - 1/2 of a mean cp/2)
+    mla_cp_balance: bool = True
     # vision at pp > 1: where the first stage runs the encoder's forward / backward (parallel/pipeline/schedules.py):
     # "bubbles" (own actions in the pipeline's idle time) | "before" (all before / after the pipeline) | "inline"
     encoder_schedule: str = "bubbles"
@@ -421,6 +430,8 @@ class Config:
         need(p.encoder_schedule in ("bubbles", "before", "inline"), "parallel.encoder_schedule",
              f"must be 'bubbles', 'before' or 'inline', got {p.encoder_schedule!r}")
         need(p.zero in (0, 1, 2), "parallel.zero", f"must be 0, 1 or 2, got {p.zero}")
+        need(p.recompute_granularity in RECOMPUTE_GRANULARITIES, "parallel.recompute_granularity",
+             f"must be one of {', '.join(RECOMPUTE_GRANULARITIES)}, got {p.recompute_granularity!r}")
         need(p.backend in ("auto", "nccl", "gloo"), "parallel.backend", "must be 'auto', 'nccl' or 'gloo'")
         n_chunks = p.pp * p.vpp
         if p.pp_layers:

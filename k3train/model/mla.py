@@ -82,7 +82,9 @@ class MLA(nn.Module):
     """Gated MLA token mixer: ``x [B, T, d] -> y [B, T, d]`` given ``seq: SeqInfo``.
 
     Communication: none by itself; under CP it calls ``seq.cp.gather_latent(latent)`` (autograd-aware all-gather of
-    the ``[B, T, kv_lora_rank + qk_rope_head_dim]`` latent over the CP group held by that object).
+    the ``[B, T, kv_lora_rank + qk_rope_head_dim]`` latent over the CP group held by that object), then
+    ``seq.cp.mla_queries(x)`` for the queries this rank computes and ``seq.cp.mla_outputs(y)`` to hand their
+    outputs back (the CP causal balance, kcp/mla_cp.py; identities without it).
 
     ``attention_op``: None (the blockwise path, ``model.mla_block_size``), or an op with :func:`attention_core`'s
     signature on the expanded K/V -- :func:`attention_core` itself (the dense reference) or a flash kernel that
@@ -173,13 +175,17 @@ class MLA(nn.Module):
 
     def forward(self, x: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.project_q(x)
         latent = self.kv_a_proj_with_mqa(x)
+        q_doc, q_pos = seq.doc_ids, seq.positions
         if seq.cp is not None:
             latent, key_doc, key_pos = seq.cp.gather_latent(latent)
+            # the queries this rank computes: under the CP causal balance half of them are a partner's
+            # (kcp/mla_cp.py); their output goes back by seq.cp.mla_outputs below
+            x, q_doc, q_pos = seq.cp.mla_queries(x)
         else:
             key_doc, key_pos = seq.doc_ids, seq.positions
-        mask = MaskInfo(q_doc=seq.doc_ids, q_pos=seq.positions, k_doc=key_doc, k_pos=key_pos)
+        q = self.project_q(x)
+        mask = MaskInfo(q_doc=q_doc, q_pos=q_pos, k_doc=key_doc, k_pos=key_pos)
         qh = q.transpose(1, 2)  # [B, H, T, Dqk]
         track = self.training and self.track_qk_max
         if self.attention_op is None:
@@ -196,7 +202,8 @@ class MLA(nn.Module):
         o = o.transpose(1, 2).reshape(B, T, self.num_heads * self.v_dim)
         if self.use_output_gate:
             o = torch.sigmoid(self.g_proj(x)) * o
-        return self.o_proj(o.to(x.dtype))
+        y = self.o_proj(o.to(x.dtype))
+        return seq.cp.mla_outputs(y) if seq.cp is not None else y
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, q_lora={self.q_lora_rank}, kv_lora={self.kv_lora_rank}, "
