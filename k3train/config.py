@@ -78,6 +78,10 @@ class ModelConfig:
     # query/key block of the blockwise MLA attention (k3train/ops/mla_blockwise.py): the per-block transient is
     # ~H x block^2 fp32 scores; blocks the causal + document mask empties are skipped
     mla_block_size: int = 512
+    # heads per chunk of the KDA and Gated MLA token mixers (0: all heads at once). The heads of a chunk run up to
+    # their share of the output projection (summed in fp32 over the chunks); under parallel.recompute_granularity
+    # = sublayer each chunk is recomputed on its own, so one chunk's activations live at a time (long context)
+    mixer_head_chunk: int = 0
     # KDA (Kimi Delta Attention)
     kda_num_heads: int = 96
     kda_head_dim: int = 128
@@ -103,6 +107,10 @@ class ModelConfig:
     num_shared_experts: int = 2
     shared_expert_intermediate_size: int = 3072  # per shared expert (not published; chosen to match 2.78T/104.2B)
     latent_moe_use_norm: bool = True
+    # tokens per chunk of a LatentMoE layer (routing, dispatch / experts / combine, shared experts): the EP token
+    # buffers and the dispatch transients hold one chunk; under parallel.recompute_granularity = sublayer each chunk
+    # is recomputed on its own
+    moe_token_chunk: int = 16384
     moe_router_activation_func: str = "sigmoid"
     moe_renormalize: bool = True
     routed_scaling_factor: float = 1.0
@@ -385,6 +393,10 @@ class Config:
         need(m.mla_use_nope, "model.mla_use_nope", "false (rotary MLA) is not implemented; K3 uses NoPE")
         need(isinstance(m.mla_block_size, int) and m.mla_block_size > 0, "model.mla_block_size",
              f"must be a positive integer (the blockwise MLA attention's block), got {m.mla_block_size!r}")
+        need(isinstance(m.moe_token_chunk, int) and m.moe_token_chunk > 0, "model.moe_token_chunk",
+             f"must be a positive integer (tokens per LatentMoE chunk), got {m.moe_token_chunk!r}")
+        need(isinstance(m.mixer_head_chunk, int) and m.mixer_head_chunk >= 0, "model.mixer_head_chunk",
+             f"must be >= 0 (heads per token-mixer chunk; 0 = all heads), got {m.mixer_head_chunk!r}")
         need(m.use_full_rank_gate, "model.use_full_rank_gate",
              "false (Kimi Linear's low-rank output gate) is not implemented; K3 uses the full-rank gate")
         need(not m.tie_word_embeddings, "model.tie_word_embeddings", "true is not supported (K3 unties them)")
