@@ -68,7 +68,7 @@ class K3Layer(nn.Module):
         self.ffn_res = AttnRes(d, eps) if attnres else None
         self.ffn_norm = RMSNorm(d, eps)
         self.ffn = build_ffn(cfg, cfg.is_moe_layer(layer_idx))
-        self.recompute_sublayers = False  # set from outside (K3Model.set_recompute): see _recomputed
+        self.recompute_sublayers = False  # set from outside (K3Model.set_recompute): see run_mixer
 
     @property
     def ends_block(self) -> bool:
@@ -76,9 +76,23 @@ class K3Layer(nn.Module):
         return self.residual == "attnres" and (self.layer_idx + 1) % self.block_size == 0
 
     def forward(self, state: AttnResState, seq: SeqInfo) -> AttnResState:
-        if self.recompute_sublayers and torch.is_grad_enabled():
-            return self._recomputed(state, seq)
-        return self.ffn_step(self.mixer_step(state, seq))
+        return self.run_ffn(self.run_mixer(state, seq))
+
+    def run_mixer(self, state: AttnResState, seq: SeqInfo) -> AttnResState:
+        """:meth:`mixer_step` under the layer's recompute policy (``recompute_sublayers``, set from outside by
+        ``K3Model.set_recompute``): the sublayer recomputed on its own in the backward -- as one region whose input
+        (the state: resident but for the partial sum) is all it keeps, or chunk by chunk inside the mixer when it
+        computes in head chunks (``checkpoint_chunks`` set on it)."""
+        if self.recompute_sublayers and not _splits(self.attn, _tokens(state)):
+            return maybe_checkpoint(self.mixer_step, state, seq, enabled=True)
+        return self.mixer_step(state, seq)
+
+    def run_ffn(self, state: AttnResState) -> AttnResState:
+        """:meth:`ffn_step` under the recompute policy (as :meth:`run_mixer`; a LatentMoE with more tokens than its
+        token chunk recomputes chunk by chunk)."""
+        if self.recompute_sublayers and not _splits(self.ffn, _tokens(state)):
+            return maybe_checkpoint(self.ffn_step, state, enabled=True)
+        return self.ffn_step(state)
 
     def mixer_step(self, state: AttnResState, seq: SeqInfo) -> AttnResState:
         """The token-mixer sublayer: its aggregation + pre-norm, the mixer, the sum into the partial sum. The state
@@ -102,20 +116,6 @@ class K3Layer(nn.Module):
             return AttnResState(blocks=[*blocks, partial], partial=None)
         return AttnResState(blocks=list(blocks), partial=partial)
 
-    def _recomputed(self, state: AttnResState, seq: SeqInfo) -> AttnResState:
-        """Both sublayers, each recomputed on its own in the backward (``parallel.recompute_granularity:
-        sublayer``): a sublayer whose module computes in chunks (head chunks of the mixer, token chunks of the
-        MoE: ``checkpoint_chunks`` set on it) recomputes chunk by chunk inside it; any other as one region, whose
-        input -- the state, resident anyway but for the partial sum -- is all it keeps."""
-        n_tokens = (state.partial if state.partial is not None else state.blocks[-1]).shape[:-1].numel()
-        if _splits(self.attn, n_tokens):
-            state = self.mixer_step(state, seq)
-        else:
-            state = maybe_checkpoint(self.mixer_step, state, seq, enabled=True)
-        if _splits(self.ffn, n_tokens):
-            return self.ffn_step(state)
-        return maybe_checkpoint(self.ffn_step, state, enabled=True)
-
     def _pre_norm(self, norm: nn.Module, h: torch.Tensor) -> torch.Tensor:
         """``norm(h)``; under ``attn_res_recompute`` the norm with a hand-written backward that keeps only ``h``
         and one ``rsqrt`` per token (:func:`k3train.model.attnres_fused.rms_norm`), as the AttnRes path's fused
@@ -136,3 +136,9 @@ def _splits(mod: nn.Module, n_tokens: int) -> bool:
         return n_tokens > mod.token_chunk > 0
     heads, chunk = getattr(mod, "num_heads", 0), getattr(mod, "head_chunk", 0)
     return len(head_ranges(heads, chunk)) > 1
+
+
+def _tokens(state: AttnResState) -> int:
+    """Tokens of a state (``B * T``)."""
+    t = state.partial if state.partial is not None else state.blocks[-1]
+    return t.shape[:-1].numel()

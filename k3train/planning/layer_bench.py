@@ -36,8 +36,9 @@ from k3train.planning.devices import host_key, load_cache, median_time, save_cac
 
 # bumped whenever what bench_layers runs changes, so a calibration file never serves times of an older method
 # (2: EP layers through the real dispatcher, CP layers through KCP / MLA-CP; 3: the backward under recompute
-# timed, fused AttnRes aggregation; 4: the KDA op keeps its solve for the backward)
-LAYERS_VERSION = 4
+# timed, fused AttnRes aggregation; 4: the KDA op keeps its solve for the backward; 5: MLA-CP balanced, head and
+# token chunks)
+LAYERS_VERSION = 5
 
 
 def _key(cfg: Any, *parts: Any) -> str:

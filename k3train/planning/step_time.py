@@ -6,7 +6,8 @@ Per virtual stage and micro-batch (``B = micro_batch_size`` rows of ``T = seq_le
 * compute: GPUs -- forward FLOPs of each layer from the project's partitioner cost model
   (``parallel.pipeline.partition.layer_cost / embed_cost / head_cost``: KDA, MLA, dense FFN, LatentMoE, AttnRes,
   LM head + MTP) x ``B*T`` at the device's achievable FLOP/s, backward = 2 x forward; the MLA attention term is taken
-  at the LAST context-parallel rank's mean context (``T_full - T/2``: MLA-CP's slowest rank). ``--device cpu`` --
+  at the slowest context-parallel rank's mean context: ``T_full / 2`` on every rank under ``parallel.mla_cp_balance``
+  (kcp/mla_cp.py), else the LAST rank's ``T_full - T/2``. ``--device cpu`` --
   measured per-layer times (:mod:`k3train.planning.layer_bench`). Full recomputation adds the forward to the
   backward. Plain EP (no MoonEP) multiplies the routed-expert share of a MoE layer by the routing skew (the most
   loaded EP rank's load over the mean; ``--ep-skew``, default 1.5 -- about what QB leaves early in training, see
@@ -16,7 +17,9 @@ Per virtual stage and micro-batch (``B = micro_batch_size`` rows of ``T = seq_le
   adds the redundant experts' weight prefetch (``min(E/ep, ceil((skew-1) E/ep))`` experts of ``3 l f`` each) and
   their fp32 gradient reduce-back; ``1 - ep_overlap`` of it is exposed. KCP -- per KDA layer one all-gather of
   the ``B x H x dk x (dk+dv)`` fp32 pairs forward and one backward; MLA-CP -- per MLA layer an all-gather of the
-  ``B x T x (kv_lora_rank + rope)`` latents forward and a reduce-scatter backward; KCP's short-convolution halo
+  ``B x T x (kv_lora_rank + rope)`` latents forward and a reduce-scatter backward, and under the causal balance two
+  half-segment swaps each way (the layer's input and output, ``B x T/2 x d`` with the partner rank ``cp-1-r``,
+  the CP group's link); KCP's short-convolution halo
   and per-micro-batch layout exchange; the MTP layer's on the last stage. Ring formulas (``(n-1)`` latency
   steps, ``(n-1)/n x bytes`` per rank) on the link the group spans, plus ``Device.call_cost(kind)`` per call
   (cpu: what a small all-reduce costs while every rank of the host computes, ``devices.bench_loaded_collective``:
@@ -239,7 +242,7 @@ def layer_compute(cfg: Any, dev: Device, lay: Any, layer_times: Any, skew: float
             layers.append([y * x for y in fb])
         return [y * s for y in t["embed"]], layers, [y * s for y in t["head"]]
     rate = dev.flops()
-    s_eff = 2 * Tfull - T - 1 if lay.cp > 1 else Tfull  # MLA: mean context of the last CP rank
+    s_eff = mla_context(cfg, lay.cp)
     layers = []
     for i in range(m.num_hidden_layers):
         c = layer_cost(m, i, s_eff if m.layer_kind(i) == "mla" else T)
@@ -251,10 +254,21 @@ def layer_compute(cfg: Any, dev: Device, lay: Any, layer_times: Any, skew: float
     return [e, 2 * e, 3 * e], layers, [h, 2 * h, 3 * h]
 
 
+def mla_context(cfg: Any, cp: int) -> int:
+    """The sequence length whose causal mean context the slowest CP rank's MLA queries see (``layer_cost``'s
+    ``seq_len``): the row's under ``parallel.mla_cp_balance`` (every rank computes ``T_full^2 / 2cp`` query-key
+    pairs, kcp/mla_cp.py), else ``2 T_full - T - 1`` (the last rank: mean context ``T_full - T/2``)."""
+    t_full = cfg.train.seq_len
+    if cp == 1 or cfg.parallel.mla_cp_balance:
+        return t_full
+    return 2 * t_full - t_full // cp - 1
+
+
 def comm_per_layer(cfg: Any, dev: Device, lay: Any, skew: float) -> tuple[list[float], list[float]]:
     """Per layer (forward, backward) exposed EP / KCP / MLA-CP seconds per micro-batch (module docstring); the
     list has one more entry than the backbone: the MTP layer (MLA attention + the last layer's FFN kind), which
     runs on the last stage. Call counts are the implementation's (checked against a traced step)."""
+    from k3train.model.chunking import head_ranges, token_ranges
     m = cfg.model
     es = 2 if cfg.train.dtype == "bfloat16" else 4
     B, T = lay.mbs, cfg.train.seq_len // lay.cp
@@ -271,9 +285,11 @@ def comm_per_layer(cfg: Any, dev: Device, lay: Any, skew: float) -> tuple[list[f
             rows = N * m.num_experts_per_token
             sk = 1.0 if lay.moonep else skew
             # moonep/dispatcher.py: forward = routing-count all-gather + dispatch + combine all-to-all; backward
-            # = the two all-to-alls of the gradients
-            a2a = ring_time("all_to_all", 2 * rows * m.routed_expert_hidden_size * es * sk, ep_ranks, dev, calls=2)
-            f += a2a + ring_time("all_gather", lay.ep * m.num_experts * 4, ep_ranks, dev)
+            # = the two all-to-alls of the gradients; once per token chunk of the layer (model.moe_token_chunk)
+            n_disp = len(token_ranges(N, m.moe_token_chunk))
+            a2a = ring_time("all_to_all", 2 * rows * m.routed_expert_hidden_size * es * sk, ep_ranks, dev,
+                            calls=2 * n_disp)
+            f += a2a + ring_time("all_gather", n_disp * lay.ep * m.num_experts * 4, ep_ranks, dev, calls=n_disp)
             b += a2a
             if lay.moonep:
                 n_loc = m.num_experts // lay.ep
@@ -288,14 +304,23 @@ def comm_per_layer(cfg: Any, dev: Device, lay: Any, skew: float) -> tuple[list[f
             if kind == "kda":
                 # kcp/halo.py: the short convolutions' halo (all-gather forward, reduce-scatter backward);
                 # kcp/kda_cp.py: the (M, S~) pairs all-gathered forward, their gradients all-gathered backward
+                # (once per head chunk of the layer: model.mixer_head_chunk, the same bytes in all)
+                hc = len(head_ranges(m.kda_num_heads, m.mixer_head_chunk))
                 pairs = lay.cp * B * m.kda_num_heads * m.kda_head_dim * (2 * m.kda_head_dim) * 4
                 halo = lay.cp * B * (m.short_conv_kernel_size - 1) * 3 * m.kda_num_heads * m.kda_head_dim * es
-                f += ring_time("all_gather", pairs, cp_ranks, dev) + ring_time("all_gather", halo, cp_ranks, dev)
-                b += ring_time("all_gather", pairs, cp_ranks, dev) + ring_time("reduce_scatter", halo, cp_ranks, dev)
+                f += (ring_time("all_gather", pairs, cp_ranks, dev, calls=hc)
+                      + ring_time("all_gather", halo, cp_ranks, dev, calls=hc))
+                b += (ring_time("all_gather", pairs, cp_ranks, dev, calls=hc)
+                      + ring_time("reduce_scatter", halo, cp_ranks, dev, calls=hc))
             else:
                 lat_b = B * T * lay.cp * (m.kv_lora_rank + m.qk_rope_head_dim) * es
                 f += ring_time("all_gather", lat_b, cp_ranks, dev)
                 b += ring_time("reduce_scatter", lat_b, cp_ranks, dev)
+                if cfg.parallel.mla_cp_balance:  # kcp/mla_cp.py: x out / y back forward, dy / dx backward
+                    lat, bwid = group_link(cp_ranks, dev)
+                    swap = dev.call_cost("all_to_all") + lat + B * (T - T // 2) * m.hidden_size * es / bwid
+                    f += 2 * swap
+                    b += 2 * swap
         fw.append(f)
         bw.append(b)
     if lay.cp > 1:  # kcp/context.py: the layout exchange of every micro-batch (shapes, document edges)
@@ -309,7 +334,7 @@ _MEMO: dict[tuple, Any] = {}
 def _layer_terms(cfg: Any, dev: Device, lay: Any, layer_times: Any, skew: float) -> tuple:
     """Memoised per-layer compute and communication of a layout's ``(mbs, cp, ep, moonep)``."""
     key = (id(cfg.model), id(dev), id(layer_times), skew, lay.mbs, lay.cp, lay.ep, lay.moonep, cfg.train.seq_len,
-           cfg.train.dtype)
+           cfg.train.dtype, cfg.parallel.mla_cp_balance)
     if key not in _MEMO:
         _MEMO[key] = (layer_compute(cfg, dev, lay, layer_times, skew), comm_per_layer(cfg, dev, lay, skew),
                       (cfg.model, dev, layer_times))  # keep the id()s alive
