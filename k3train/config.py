@@ -110,7 +110,7 @@ class ModelConfig:
     # tokens per chunk of a LatentMoE layer (routing, dispatch / experts / combine, shared experts): the EP token
     # buffers and the dispatch transients hold one chunk; under parallel.recompute_granularity = sublayer each chunk
     # is recomputed on its own
-    moe_token_chunk: int = 8192
+    moe_token_chunk: int = 4096
     moe_router_activation_func: str = "sigmoid"
     moe_renormalize: bool = True
     routed_scaling_factor: float = 1.0

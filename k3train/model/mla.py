@@ -25,7 +25,7 @@ optimizer last reset it, updated under ``no_grad`` in training when ``track_qk_m
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -47,6 +47,8 @@ class MaskInfo:
     q_pos: torch.Tensor
     k_doc: torch.Tensor
     k_pos: torch.Tensor
+    # the blockwise op's block plans by block size (k3train/ops/mla_blockwise.py: made once per mask)
+    plans: dict = field(default_factory=dict, repr=False, compare=False)
 
     def dense(self) -> torch.Tensor:
         """Boolean ``[B, 1, Tq, Tk]``, True where the query may attend to the key."""

@@ -34,7 +34,7 @@ from k3train.model.norm import RMSNorm
 from k3train.model.seq import SeqInfo
 from k3train.model.vit_tower import VisionTower
 
-CE_CHUNK_TOKENS = 8192  # tokens per LM-head + cross-entropy chunk (bounds the live fp32 logits to 8192 x vocab)
+CE_CHUNK_TOKENS = 4096  # tokens per LM-head + cross-entropy chunk (bounds the live fp32 logits to 4096 x vocab)
 
 
 def masked_ce_sum(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

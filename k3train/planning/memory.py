@@ -472,6 +472,16 @@ class TraceDeadline(Exception):
     planner's memory-trace budget is spent (the pieces traced so far stay cached, and are exact)."""
 
 
+class TraceTooBig(Exception):
+    """Raised by a composed trace once one micro-batch of one chunk alone holds more than ``EstimateCache.limit``
+    bytes (the planner's device memory): the layout cannot fit whatever the rest adds, and the pieces not traced
+    yet (minutes at long context without recomputation) are not needed. ``nbytes``: that lower bound."""
+
+    def __init__(self, nbytes: int) -> None:
+        super().__init__(f"one micro-batch of a chunk holds at least {nbytes} bytes")
+        self.nbytes = nbytes
+
+
 def _check_deadline(deadline: float | None) -> None:
     if deadline is not None and time.perf_counter() > deadline:
         raise TraceDeadline
@@ -481,17 +491,18 @@ def _check_deadline(deadline: float | None) -> None:
 # fake trace grows with both (chunked KDA's recurrence is one Python step per 64 tokens: a 64K-token K3 segment
 # would take hours of fake ops; 93 K3 layers at 4K tokens ~10 minutes on 2 cores). Instead each distinct piece --
 # the embedding, each layer signature (or, under parallel.recompute_granularity = sublayer, each of its token mixer
-# and FFN sublayers: the units recomputed on their own), the head + MTP -- is traced alone at three token counts,
+# and FFN sublayers: the units recomputed on their own), the head + MTP -- is traced alone at a few token counts,
 # every byte count is fitted EXACTLY by a + b T + c T^2 (memory is at most quadratic in T), evaluated at the real T,
 # and the pieces of a chunk are composed in order (forward peak: earlier pieces' saved bytes + this piece's
 # transient; backward in reverse). The three token counts are COMPOSE_TOKENS = 1K, 2K, 4K (a KDA layer's or
-# mixer's: 256, 512, 1K -- its bytes are a constant plus a term per 64-token chunk, and its fake trace is the
+# mixer's: 256 and 512, a line -- its bytes are a constant plus a term per 64-token chunk, and its fake trace is the
 # slowest, one Python step per chunk and head chunk; an MLA's: 1, 2, 4 attention blocks, so that a trace holds the
 # real per-block transients), except for a piece holding a module that computes in token chunks (a LatentMoE:
 # model.moe_token_chunk; the LM head + MTP cross-entropy: CE_CHUNK_TOKENS) when the real micro-batch has more
-# tokens than the chunk: then 2, 3 and 4 times the chunk (the least common multiple of the chunks in play), so
-# that the fit is taken where the real run is -- a fixed per-chunk transient plus bytes linear in the tokens
-# (:func:`piece_tokens`).
+# tokens than the chunk: then 2 and 3 times the chunk (the least common multiple of the chunks in play), the line
+# fitted where the real run is -- a fixed per-chunk transient plus bytes linear in the tokens (:func:`piece_tokens`).
+# An MLA's pieces are also traced at CP rank 1 (at their first token count: what a key segment more holds is
+# proportional to the tokens) and extended to every rank in its key segments (:func:`mla_key_segments`).
 TRACE_BUDGET = 8192 * 16  # tokens x layers traced whole (tiny and small: whole chunks)
 
 
@@ -501,33 +512,37 @@ def whole_traces(cfg: Config, B: int, T: int) -> bool:
     CP rank, so at K3 width a large cp with short rows per rank would cost minutes per layout."""
     return B * T * cfg.parallel.cp * cfg.model.num_hidden_layers <= TRACE_BUDGET
 COMPOSE_TOKENS = (1024, 2048, 4096)
-KDA_COMPOSE_TOKENS = (256, 512, 1024)
+KDA_COMPOSE_TOKENS = (256, 512)  # linear: a constant plus a term per 64-token chunk (the fits' c was 0 at 3)
 
 
-def piece_tokens(n_real: int, chunks: list[int], base: tuple[int, int, int] = COMPOSE_TOKENS) -> tuple[int, int, int]:
+def piece_tokens(n_real: int, chunks: list[int], base: tuple[int, ...] = COMPOSE_TOKENS) -> tuple[int, ...]:
     """Token counts a composed piece is traced at for a micro-batch of ``n_real`` tokens, given the token chunks
     of the modules it holds: ``base`` when ``n_real`` exceeds none of them (one chunk: the module runs whole, as
-    at the trace's sizes); else ``2m, 3m, 4m`` with ``m`` the least common multiple of the chunks ``n_real``
-    exceeds (the chunked regime, every chunk full), provided no other chunk is then exceeded; a micro-batch
-    between two chunk sizes with no such ``m`` is traced at ``n_real`` itself."""
+    at the trace's sizes); else ``2m, 3m`` with ``m`` the least common multiple of the chunks ``n_real`` exceeds
+    (the chunked regime, every chunk full: a fixed per-chunk transient plus bytes linear in the tokens, so two
+    points fit it), provided no other chunk is then exceeded; a micro-batch between two chunk sizes with no such
+    ``m`` is traced at ``n_real`` itself."""
     import math
 
     over = sorted({c for c in chunks if 0 < c < n_real})
     if not over:
         return base
     m = math.lcm(*over)
-    pts = (2 * m, 3 * m, 4 * m)
+    pts = (2 * m, 3 * m)
     if any(c > 0 and c not in over and c < pts[-1] for c in chunks):
-        return (n_real, n_real, n_real)
+        return (n_real,)
     return pts
 
 
 def _quadratic_fit(ts: tuple[int, ...], ys: list[int]) -> tuple[float, float, float]:
-    """``(a, b, c)`` of the quadratic through three points (exact: memory is at most quadratic in T); one point
-    repeated: the constant."""
+    """``(a, b, c)`` of the quadratic through three points (exact: memory is at most quadratic in T); of the line
+    through two; one point: the constant."""
+    if len(ts) == 1:
+        return float(ys[0]), 0.0, 0.0
+    if len(ts) == 2:
+        b = (ys[1] - ys[0]) / (ts[1] - ts[0])
+        return ys[0] - b * ts[0], b, 0.0
     (t1, t2, t3), (y1, y2, y3) = ts, ys
-    if t1 == t2 == t3:
-        return float(y1), 0.0, 0.0
     c = ((y3 - y2) / (t3 - t2) - (y2 - y1) / (t2 - t1)) / (t3 - t1)
     b = (y2 - y1) / (t2 - t1) - c * (t1 + t2)
     return y1 - b * t1 - c * t1 * t1, b, c
@@ -565,14 +580,16 @@ def mla_key_segments(cfg: Config, cp_rank: int) -> int:
 def trace_chunk(cfg: Config, model: nn.Module, part: Any, plan: Any, v: int, chunk: int, batch: Any,
                 fake: FakeTensorMode, cache: dict | None = None, batch_hi: Any = None,
                 cp_rank: int = 0, rows: tuple[Any, Any] = (None, None),
-                media: MediaCase | None = None, deadline: float | None = None) -> ChunkTrace:
+                media: MediaCase | None = None, deadline: float | None = None,
+                limit: float | None = None) -> ChunkTrace:
     """Virtual stage ``v`` on one micro-batch of CP rank ``cp_rank`` (see :func:`trace_range`; composed per layer
     above ``TRACE_BUDGET``, ``cache`` holding the per-signature fits).
 
     Under CP the real KCP context runs with simulated collectives. Composed traces are taken at CP ranks 0 and 1
     and extended to rank r affinely in the MLA key segments of the rank (:func:`mla_key_segments`: every key-side
     byte -- the latent keys, their doc ids, the latent gradient -- grows linearly with them; the KCP pairs are the
-    whole group's on every rank). ``deadline``: :class:`TraceDeadline` before any trace that starts after it."""
+    whole group's on every rank). ``deadline``: :class:`TraceDeadline` before any trace that starts after it;
+    ``limit``: :class:`TraceTooBig` as soon as the pieces composed so far exceed it (composed traces only)."""
     from k3train.model.model import CE_CHUNK_TOKENS
     from parallel.pipeline.stage import recompute_unit
 
@@ -599,7 +616,7 @@ def trace_chunk(cfg: Config, model: nn.Module, part: Any, plan: Any, v: int, chu
         reps: dict[tuple, int] = {}
         for i in range(L):  # the deepest layer of each signature / sublayer class (most AttnRes sources)
             sig = layer_signature(cfg, i)
-            reps[sig] = reps[("mixer", sig[0], sig[2])] = reps[("ffn", sig[1], sig[3])] = i
+            reps[sig] = reps[("mixer", sig[0])] = reps[("ffn", sig[1])] = i
         nk = [mla_key_segments(cfg, r) for r in range(min(C, 2))]
 
         def piece(key: tuple, a: int, b: int, fst: bool, lst: bool, sub: str | None = None,
@@ -618,16 +635,22 @@ def trace_chunk(cfg: Config, model: nn.Module, part: Any, plan: Any, v: int, chu
                 (media, cfg.parallel.recompute) if key == ("embed",) else ())
             if ck not in cache:
                 fits = []
-                # only the MLA's keys depend on the CP rank (the KCP pairs are the whole group's on every rank)
-                for r in ((0, 1) if C > 1 and mla else (0,)):
-                    ys = []
-                    for t in pts:
-                        _check_deadline(deadline)
-                        dl = cfg.model.mla_block_size if mla and (t // B) % cfg.model.mla_block_size == 0 else 0
-                        row = [trace_batch(cfg, B, t // B, rr, dl)[0] for rr in range(C)]  # synthetic CP rows
-                        ys.append(trace_range(cfg, model, a, b, fst, lst, row[r], fake, recompute and not chunk_rc,
-                                              r if C > 1 else None, row, media, sub))
-                    fits.append([_quadratic_fit(pts, [y[k] for y in ys]) for k in range(3)])
+
+                def traced(r: int, t: int) -> tuple[int, int, int]:
+                    _check_deadline(deadline)
+                    dl = cfg.model.mla_block_size if mla and (t // B) % cfg.model.mla_block_size == 0 else 0
+                    row = [trace_batch(cfg, B, t // B, rr, dl)[0] for rr in range(C)]  # synthetic CP rows
+                    return trace_range(cfg, model, a, b, fst, lst, row[r], fake, recompute and not chunk_rc,
+                                       r if C > 1 else None, row, media, sub)
+
+                ys = [traced(0, t) for t in pts]
+                fits.append([_quadratic_fit(pts, [y[k] for y in ys]) for k in range(3)])
+                # only the MLA's keys depend on the CP rank (the KCP pairs are the whole group's on every rank); what
+                # a key segment more holds (the latents, their ids, the latent gradient) is proportional to the
+                # tokens: the rank-1 difference is taken at the smallest token count and scaled
+                if C > 1 and mla:
+                    y1 = traced(1, pts[0])
+                    fits.append([(f[0], f[1] + (y1[k] - ys[0][k]) / pts[0], f[2]) for k, f in enumerate(fits[0])])
                 cache[ck] = fits
             fits = cache[ck]
             vals = [_poly(f, B * T) for f in fits[0]]
@@ -639,24 +662,33 @@ def trace_chunk(cfg: Config, model: nn.Module, part: Any, plan: Any, v: int, chu
                     vals = [max(y0, _poly(f1, B * T)) for y0, f1 in zip(vals, fits[1])]
             return tuple(max(0, int(round(y))) for y in vals)
 
-        pieces = []
+        pieces: list[tuple[int, int, int]] = []
+
+        def add(p: tuple[int, int, int]) -> None:
+            pieces.append(p)
+            if limit is not None:
+                _, f_so_far, b_so_far = _compose(pieces)
+                if max(f_so_far, b_so_far) > limit:
+                    raise TraceTooBig(max(f_so_far, b_so_far))
+
         if first:
-            pieces.append(piece(("embed",), 0, 0, True, False))
+            add(piece(("embed",), 0, 0, True, False))
         for i in range(s, e):
             sig = layer_signature(cfg, i)
             kind = cfg.model.layer_kind(i)
             moe = (moe_chunk,) if _layer_is_moe(cfg, i) else ()
-            if unit == "sublayer":  # a mixer's bytes depend on its kind and sources, an FFN's on its kind, sources
-                # and whether it completes a block: the deepest layer of each such class is traced for all
-                mkey, fkey = ("mixer", kind, sig[2]), ("ffn", sig[1], sig[3])
-                pieces.append(piece(mkey, reps[mkey], reps[mkey] + 1, False, False, "mixer", (), kind))
-                pieces.append(piece(fkey, reps[fkey], reps[fkey] + 1, False, False, "ffn", moe))
+            if unit == "sublayer":  # a mixer's bytes depend on its kind and sources, an FFN's on dense / MoE and
+                # sources: the deepest layer of each (the most AttnRes sources) is traced for all (an FFN that
+                # completes a block holds no more: its partial sum becomes the block)
+                mkey, fkey = ("mixer", kind), ("ffn", sig[1])
+                add(piece(mkey, reps[mkey], reps[mkey] + 1, False, False, "mixer", (), kind))
+                add(piece(fkey, reps[fkey], reps[fkey] + 1, False, False, "ffn", moe))
             else:  # the MoE's token chunks run without recomputation inside a layer / chunk: traced whole
                 r = reps[sig]
-                pieces.append(piece(("layer",) + sig, r, r + 1, False, False, None, (), kind))
+                add(piece(("layer",) + sig, r, r + 1, False, False, None, (), kind))
         if last:
             # the LM head + MTP cross-entropy in token chunks, the MTP layer's MoE; the MTP's MLA on short documents
-            pieces.append(piece(("head",), L, L, False, True, None, (CE_CHUNK_TOKENS,) + (moe_chunk,), "mla"))
+            add(piece(("head",), L, L, False, True, None, (CE_CHUNK_TOKENS,) + (moe_chunk,), "mla"))
         saved, f_peak, b_peak = _compose(pieces)
         if chunk_rc:  # the chunk keeps only its inputs; its backward re-runs the forward (already in b_peak)
             saved, f_peak = 0, max(f for _, f, _ in pieces)
@@ -898,7 +930,7 @@ def estimate(cfg: Config, world_size: int, cache: Any = None, media: MediaCase |
             batch, batch_hi, row, row_hi = cp_batches[cr]
             traces_cp[cr] = {c: trace_chunk(cfg, full, part, plan, part.stage(pp_rank, c) if P > 1 else 0, c,
                                             batch, fake, piece_cache, batch_hi, cr, (row, row_hi), media,
-                                            getattr(cache, "deadline", None))
+                                            getattr(cache, "deadline", None), getattr(cache, "limit", None))
                              for c in range(len(local_chunks))}
         traces = traces_cp[0]
         params = _nbytes(list(model.parameters())) + _nbytes(list(model.buffers()))

@@ -144,13 +144,21 @@ class ParamFacts:
 
 
 def static_memory_lower_bound(facts: ParamFacts, cfg: Any, part: Any, pp: int, dpcp: int, ep: int,
-                              zero: int, moonep: bool = False) -> int:
+                              zero: int, moonep: bool = False, tokens: int = 0, chunk_recompute: bool = False) -> int:
     """A lower bound on the worst rank's peak from parameters, gradients and optimizer state alone (the memory
     estimator's byte rules: parameter-dtype weights and gradients, fp32 master copies of non-fp32 weights, Muon 1
     / AdamW 2 fp32 states -- counted as Muon for all, a lower bound; owners' shares at least the mean). At ZeRO-2
     a chunk's gradients are whole from its first backward until they are reduce-scattered after its last one: the
     largest local chunk's full gradients are counted on top of the shards. With MoonEP, the replica pool's two
-    banks of one MoE layer's local experts (``E / ep`` of them) are always allocated."""
+    banks of one MoE layer's local experts (``E / ep`` of them) are always allocated.
+
+    ``tokens`` (a micro-batch's tokens on a rank, ``micro_batch_size x seq_len / cp``): each layer's output -- a new
+    ``[tokens, d]`` partial sum, a source of the later layers' AttnRes aggregations -- lives from its forward to
+    its backward: at a rank's first backward the first micro-batch has run the forward of every local chunk, so all
+    the stage's layers' outputs are alive (unless ``chunk_recompute``, whole chunks recomputed: then only the
+    recomputed chunk's, in its backward). With the weights and optimizer state (no gradients: those of the chunk
+    may still be forming) that is a bound too, and at long context the one that rules layouts out (a 1M row over
+    few pipeline stages)."""
     es = 2 if cfg.train.dtype == "bfloat16" else 4
     master = 4 if es != 4 else 0
     edp = max(1, dpcp // ep)
@@ -169,7 +177,10 @@ def static_memory_lower_bound(facts: ParamFacts, cfg: Any, part: Any, pp: int, d
         opt = n * (4 + master)
         if zero >= 1:
             opt = (d / dpcp + e / edp) * (4 + master)
-        best = max(best, n * es + grads + opt + pool)
+        spans = [e_ - s_ for s_, e_ in part.local_chunks(r)]
+        layers = max(spans, default=0) if chunk_recompute else sum(spans)
+        act = layers * tokens * cfg.model.hidden_size * es
+        best = max(best, n * es + grads + opt + pool, n * es + opt + pool + act)
     return int(best)
 
 

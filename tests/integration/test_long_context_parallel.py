@@ -1,7 +1,7 @@
 """Long context through the trainer's real path (``parallelize`` -> ``ParallelModel.forward_backward``): the tiny
 config at ``seq_len`` 8192 on ONE document that spans every CP rank equals the single-process model -- the step's
 loss sums, EVERY parameter gradient and the routers' Quantile-Balancing step (the checks of
-``test_composed_parallel._check_layout``).
+``test_composed_parallel._check_layout``, in its ``_body``).
 
 The parallel side runs every long-context path at once: MLA under CP with the causal balance (half-segment query
 swaps, kcp/mla_cp.py), ``recompute_granularity: sublayer`` (each sublayer, head chunk and MoE token chunk recomputed
@@ -10,10 +10,9 @@ the plain model (no chunks, no recomputation) on the whole row. Both layouts run
 """
 from __future__ import annotations
 
-import torch
 from composed_cases import Layout, kjv_single_document, make_cfg, reference
 from dist_helpers import run_distributed
-from test_composed_parallel import _check_layout
+from test_composed_parallel import _body
 
 SEQ = 8192
 # 4 layers (KDA x3, MLA; a dense first layer, 3 LatentMoE; the MTP layer): every kind of layer, half the time
@@ -30,17 +29,8 @@ LAYOUTS = [
 ]
 
 
-def _body(rank: int, world: int, full, ref) -> None:
-    torch.set_num_threads(1)
-    for layout in LAYOUTS:
-        try:
-            _check_layout(rank, layout, full, ref)
-        except Exception as e:
-            raise AssertionError(f"layout {layout.name}: {e}") from e
-
-
 def test_long_document_layouts_match_single_process() -> None:
     full = kjv_single_document(SEQ)
     assert int(full.doc_ids.max()) == 0  # one document over the whole row: every CP rank's MLA keys reach back
     ref = reference(make_cfg(seq_len=SEQ, gbs=1, extra=DEPTH), full)
-    run_distributed(_body, 4, full, ref, timeout=600)
+    run_distributed(_body, 4, LAYOUTS, full, {"attnres": ref}, timeout=600)

@@ -40,6 +40,7 @@ BAD_INPUT = [
     ("kda_head_dim 0", ["--config", TINY, "--model.kda_head_dim=0"], ["model.kda_head_dim"], {}),
     ("moe_intermediate_size 0", ["--config", TINY, "--model.moe_intermediate_size=0"],
      ["model.moe_intermediate_size"], {}),
+    ("moe_token_chunk 0", ["--config", TINY, "--model.moe_token_chunk=0"], ["model.moe_token_chunk", "positive"], {}),
     ("v_head_dim 0 in file", ["--config", "{vhead0}"], ["model.v_head_dim", "vhead0.yaml:"], {}),
     ("global_batch_size 0", ["--config", TINY, "--train.global_batch_size=0"], ["train.global_batch_size"], {}),
     ("train.steps 0", ["--config", TINY, "--train.steps=0"], ["train.steps", "must be >= 1"], {}),
