@@ -7,6 +7,9 @@
     k3train plan ...                                           parallel layout planner (tools/plan.py)
     k3train prepare-data ...                                   text/JSONL -> indexed dataset (tools/prepare_data.py)
     k3train plot RUN_DIR [RUN_DIR ...] -o FILE.png             curves of runs' metrics.jsonl (k3train/plot.py)
+    k3train import-hf HF_DIR -o RUN.yaml                       a run config from a HF checkpoint (k3train/hf)
+    k3train export-hf --config C --checkpoint CKPT -o OUT [--experts auto|bf16|mxfp4] [--nproc N]
+                                                               a checkpoint in the published HF layout
 
 ``k3train train`` validates the run ONCE here (:func:`k3train.preflight.validate_run` for the whole world size:
 ``--nproc`` x ``--nnodes``) -- bad input is one ``k3train: error: ...`` line and exit 2 before any process starts --
@@ -37,13 +40,13 @@ def bad_input(message: str) -> int:
     return EXIT_BAD_INPUT
 
 
-class _Parser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str):  # type: ignore[override] - one line, like every other bad input
         sys.exit(bad_input(f"{self.prog}: {message}"))
 
 
 def _launcher_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="k3train train", allow_abbrev=False,
+    ap = OneLineParser(prog="k3train train", allow_abbrev=False,
                  description="validate once, then train on --nproc x --nnodes processes; every other "
                              "--section.key=value argument overrides the config")
     ap.add_argument("--config", help="YAML run config (configs/tiny.yaml, ...)")
@@ -171,7 +174,16 @@ def main(argv: list[str] | None = None) -> int:
         return plot_main(rest)
     if sub in TOOLS:
         return run_tool(TOOLS[sub], rest)
-    return bad_input(f"unknown command {sub!r}; one of: train, check, {', '.join(TOOLS)}, plot (k3train --help)")
+    if sub == "import-hf":
+        from k3train.hf.commands import import_hf_main  # noqa: PLC0415
+
+        return import_hf_main(rest)
+    if sub == "export-hf":
+        from k3train.hf.commands import export_hf_main  # noqa: PLC0415
+
+        return export_hf_main(rest)
+    return bad_input(f"unknown command {sub!r}; one of: train, check, {', '.join(TOOLS)}, plot, import-hf, export-hf "
+                     f"(k3train --help)")
 
 
 if __name__ == "__main__":

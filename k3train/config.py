@@ -36,6 +36,7 @@ class ConfigError(ValueError):
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+HIDDEN_ACTS = ("situ", "silu")  # model.hidden_act: the gate activation of every FFN (k3train/model/ffn.py: glu)
 WANDB_MODES = ("online", "offline", "disabled")
 RECOMPUTE_GRANULARITIES = ("chunk", "layer", "sublayer")  # parallel.recompute_granularity
 SPLIT_NAMES = ("train", "valid", "test")
@@ -68,7 +69,7 @@ class ModelConfig:
     init_std: float = 0.02
     # Gated MLA (DeepSeek-style latent KV, NoPE)
     num_attention_heads: int = 96
-    q_lora_rank: int = 1536  # 0 = no query compression
+    q_lora_rank: int | None = 1536  # null (HF) or 0: no query compression, q = W_q x (Kimi Linear); saved as 0
     kv_lora_rank: int = 512
     qk_nope_head_dim: int = 128
     qk_rope_head_dim: int = 64  # the shared "rope" slot of the latent; K3 uses NoPE, so no rotation is applied
@@ -89,6 +90,8 @@ class ModelConfig:
     kda_decay_rank: int = 128  # low-rank decay projection W_a_up W_a_down
     kda_decay_form: str = "lower_bounded"  # "lower_bounded" (K3) | "softplus" (Kimi Linear)
     gate_lower_bound: float = -5.0
+    # KDA output gate: true = K3's full-rank g_proj (d -> H*K); false = Kimi Linear's low-rank g_b_proj g_a_proj
+    # (d -> kda_head_dim -> H*K, the published rank)
     use_full_rank_gate: bool = True
     kda_chunk_size: int = 64
     # layer plan: 1-based layer i is Gated MLA when i % full_attn_interval == 0 or i == num_hidden_layers
@@ -96,14 +99,15 @@ class ModelConfig:
     # FFN
     intermediate_size: int = 33792  # dense FFN (first_k_dense_replace layers)
     first_k_dense_replace: int = 1
-    hidden_act: str = "situ"
+    hidden_act: str = "situ"  # every FFN (dense, shared, routed experts): "situ" (SiTU-GLU, K3) | "silu" (SwiGLU)
     activation_situ_beta: float = 4.0
     activation_situ_linear_beta: float = 25.0
     # Stable LatentMoE
     num_experts: int = 896
     num_experts_per_token: int = 16
     moe_intermediate_size: int = 3072
-    routed_expert_hidden_size: int = 3584  # latent width l
+    # latent width l; null (HF): no latent projection, the routed experts work in the model width d (Kimi Linear)
+    routed_expert_hidden_size: int | None = 3584
     num_shared_experts: int = 2
     shared_expert_intermediate_size: int = 3072  # per shared expert (not published; chosen to match 2.78T/104.2B)
     latent_moe_use_norm: bool = True
@@ -112,8 +116,13 @@ class ModelConfig:
     # is recomputed on its own
     moe_token_chunk: int = 4096
     moe_router_activation_func: str = "sigmoid"
-    moe_renormalize: bool = True
+    moe_renormalize: bool = True  # HF norm_topk_prob: mixing weights of the k routes divided by their sum
     routed_scaling_factor: float = 1.0
+    # grouped top-k (DeepSeek-V3 / Kimi Linear; HF n_group / num_expert_group, topk_group): the experts form
+    # num_expert_group equal groups, a token picks its topk_group groups by the sum of each group's two best
+    # biased scores, then its k experts among them. 1 group: plain top-k
+    num_expert_group: int = 1
+    topk_group: int = 1
     # router balancing: "qb" (Quantile Balancing), "sign" (aux-loss-free sign update), "none"
     router_balance: str = "qb"
     qb_estimator: str = "histogram"  # "histogram" | "exact"
@@ -147,6 +156,17 @@ class ModelConfig:
 
     def is_moe_layer(self, i: int) -> bool:
         return i >= self.first_k_dense_replace and self.num_experts > 0
+
+    @property
+    def latent_moe(self) -> bool:
+        """Whether the MoE projects to a latent width for the routed experts (``routed_expert_hidden_size`` set)."""
+        return self.routed_expert_hidden_size is not None
+
+    @property
+    def expert_hidden_size(self) -> int:
+        """The width the routed experts work in (and the expert-parallel dispatch moves): the latent width, or the
+        model width ``hidden_size`` without a latent projection."""
+        return self.routed_expert_hidden_size if self.routed_expert_hidden_size is not None else self.hidden_size
 
 
 @dataclass
@@ -209,6 +229,14 @@ class TrainConfig:
     # qat_activations "mxfp8" (the expert matmuls' activation operands in E4M3, 32 per scale)
     qat: str = "none"
     qat_activations: str = "none"
+    # what the run trains (k3train/draft/): "lm" (the model on next-token + MTP prediction) | "eagle3" (an EAGLE-3
+    # draft fine-tuned from the MTP layer of a trained, frozen target: checkpoint.target; k3train/model/eagle3.py)
+    objective: str = "lm"
+    draft_loss: str = "lk"  # eagle3: "lk" (-log sum_x min(p, q): the acceptance rate) | "kl" (KL(p || q))
+    draft_steps: int = 7  # eagle3: steps of the training-time test (tokens of a drafted chain)
+    # eagle3: the completed AttnRes blocks (1-based) whose outputs are the draft's low and middle features; the high
+    # feature is the final AttnRes aggregation (what the MTP layer reads). K3: blocks 1 and 4
+    draft_feature_blocks: list[int] = field(default_factory=lambda: [1, 4])
     # derived
     grad_accum_steps: int = field(default=0, metadata={"derived": True})
 
@@ -273,10 +301,18 @@ class CheckpointConfig:
     # resume=PATH older than checkpoints beside it) is refused; true MOVES that data into previous-N/ instead
     overwrite: bool = False
     async_save: bool = False  # write checkpoints in a background thread (DCP async_save); training goes on
+    # train.objective=eagle3: the frozen target, a complete checkpoint (step directory) of a k3train run of this
+    # model with an MTP layer; read once at the start (not when the draft run resumes from its own checkpoint)
+    target: str = ""
     # on SIGTERM/SIGINT every rank stops at the same step boundary and saves it; if that save has not finished
     # this many seconds after the signal, the rank exits and the last complete checkpoint stays. Keep it under
     # the scheduler's grace period and torchrun's --shutdown-timeout (30 s by default), after which come SIGKILLs
     preempt_timeout_s: float = 25.0
+    # a Hugging Face checkpoint directory (config.json + safetensors, kimi_linear / kimi_k3) to START from: a fresh
+    # run loads its weights in any parallel layout, each rank only its own tensors (k3train/hf/load.py); a resume
+    # ignores it. Checked before anything is built (k3train/preflight.py); write the matching run config with
+    # `k3train import-hf HF_DIR -o RUN.yaml`
+    load_hf: str = ""
 
 
 @dataclass
@@ -376,7 +412,8 @@ class Config:
         need(m.gate_lower_bound < 0, "model.gate_lower_bound", "must be negative")
         need(m.kda_chunk_size % 16 == 0 and m.kda_chunk_size > 0, "model.kda_chunk_size",
              f"must be a positive multiple of 16 (sub-tiles of 16), got {m.kda_chunk_size}")
-        need(m.hidden_act == "situ", "model.hidden_act", f"only 'situ' is implemented, got {m.hidden_act!r}")
+        need(m.hidden_act in HIDDEN_ACTS, "model.hidden_act",
+             f"must be one of {', '.join(HIDDEN_ACTS)} (SiTU-GLU, SwiGLU), got {m.hidden_act!r}")
         need(m.router_balance in ("qb", "sign", "none"), "model.router_balance",
              f"must be 'qb', 'sign' or 'none', got {m.router_balance!r}")
         need(m.qb_estimator in ("histogram", "exact"), "model.qb_estimator", "must be 'histogram' or 'exact'")
@@ -388,7 +425,25 @@ class Config:
             need(1 <= m.num_experts_per_token < m.num_experts, "model.num_experts_per_token",
                  f"must be in [1, num_experts) (Quantile Balancing routes top-(k+1)), got {m.num_experts_per_token}"
                  f" with num_experts={m.num_experts}")
-            need(m.routed_expert_hidden_size > 0, "model.routed_expert_hidden_size", "must be > 0")
+            need(m.routed_expert_hidden_size is None or m.routed_expert_hidden_size > 0,
+                 "model.routed_expert_hidden_size", "must be > 0, or null (no latent projection)")
+            need(m.latent_moe or not m.latent_moe_use_norm, "model.latent_moe_use_norm",
+                 "true needs a latent projection (model.routed_expert_hidden_size), which is null: the latent norm "
+                 "would not exist; set latent_moe_use_norm=false", "model.latent_moe_use_norm",
+                 "model.routed_expert_hidden_size")
+            G = m.num_expert_group
+            need(isinstance(G, int) and G >= 1 and m.num_experts % G == 0, "model.num_expert_group",
+                 f"must be >= 1 and divide num_experts={m.num_experts}, got {G}")
+            need(G == 1 or m.num_experts // G >= 2, "model.num_expert_group",
+                 f"grouped top-k scores a group by its two best experts: needs >= 2 experts per group, got "
+                 f"{m.num_experts // G}")
+            need(1 <= m.topk_group <= G, "model.topk_group", f"must be in [1, num_expert_group={G}], got "
+                 f"{m.topk_group}", "model.topk_group", "model.num_expert_group")
+            need(m.topk_group * (m.num_experts // G) > m.num_experts_per_token, "model.topk_group",
+                 f"topk_group={m.topk_group} groups of {m.num_experts // G} experts leave fewer than "
+                 f"num_experts_per_token + 1 = {m.num_experts_per_token + 1} experts to route over (Quantile "
+                 f"Balancing routes top-(k+1))", "model.topk_group", "model.num_expert_group",
+                 "model.num_experts_per_token")
         # variants the published configs name but K3 does not use: rejected here, before any work starts
         need(m.mla_use_nope, "model.mla_use_nope", "false (rotary MLA) is not implemented; K3 uses NoPE")
         need(isinstance(m.mla_block_size, int) and m.mla_block_size > 0, "model.mla_block_size",
@@ -397,8 +452,6 @@ class Config:
              f"must be a positive integer (tokens per LatentMoE chunk), got {m.moe_token_chunk!r}")
         need(isinstance(m.mixer_head_chunk, int) and m.mixer_head_chunk >= 0, "model.mixer_head_chunk",
              f"must be >= 0 (heads per token-mixer chunk; 0 = all heads), got {m.mixer_head_chunk!r}")
-        need(m.use_full_rank_gate, "model.use_full_rank_gate",
-             "false (Kimi Linear's low-rank output gate) is not implemented; K3 uses the full-rank gate")
         need(not m.tie_word_embeddings, "model.tie_word_embeddings", "true is not supported (K3 unties them)")
         need(m.attn_res_block_size >= 1, "model.attn_res_block_size", "must be >= 1")
         # residual stream (Block AttnRes or the standard PreNorm ablation)
@@ -424,6 +477,8 @@ class Config:
         sizes += ["qb_bins"] if has_moe and m.router_balance == "qb" and m.qb_estimator == "histogram" else []
         for k in sizes:
             need(getattr(m, k) >= 1, f"model.{k}", f"must be >= 1, got {getattr(m, k)}")
+        if m.q_lora_rank is None:  # HF's null: no query compression, the same model as 0
+            m.q_lora_rank = 0
         for k in ("q_lora_rank", "qk_rope_head_dim", "num_experts", "num_shared_experts"):
             need(getattr(m, k) >= 0, f"model.{k}", f"must be >= 0, got {getattr(m, k)}")
         for k in ("rms_norm_eps", "init_std", "activation_situ_beta", "activation_situ_linear_beta",
@@ -523,10 +578,21 @@ class Config:
              f"{t.qat_activations} expert inputs are part of QAT: set train.qat=mxfp4 as well",
              "train.qat_activations", "train.qat")
         if t.qat != "none" and has_moe:
-            for k in ("routed_expert_hidden_size", "moe_intermediate_size"):
-                need(getattr(m, k) % 32 == 0, "train.qat",
+            for k, v in (("routed_expert_hidden_size" if m.latent_moe else "hidden_size", m.expert_hidden_size),
+                         ("moe_intermediate_size", m.moe_intermediate_size)):
+                need(v % 32 == 0, "train.qat",
                      f"{t.qat} quantizes the routed experts in blocks of 32 along their reduction dims, but "
-                     f"model.{k}={getattr(m, k)} is not a multiple of 32", "train.qat", f"model.{k}")
+                     f"model.{k}={v} is not a multiple of 32", "train.qat", f"model.{k}")
+
+        # EAGLE-3 draft training (k3train/draft/, k3train/model/eagle3.py); the target checkpoint itself is checked
+        # in preflight (k3train/draft/target.py)
+        need(t.objective in ("lm", "eagle3"), "train.objective", f"must be 'lm' or 'eagle3', got {t.objective!r}")
+        if t.objective == "eagle3":
+            self._validate_eagle3(need)
+        else:
+            need(not self.checkpoint.target, "checkpoint.target",
+                 f"is read only by train.objective=eagle3 (the draft's frozen target), but train.objective="
+                 f"{t.objective}", "checkpoint.target", "train.objective")
 
         # optim
         need(o.name in ("muon", "adamw"), "optim.name", f"must be 'muon' or 'adamw', got {o.name!r}")
@@ -613,6 +679,27 @@ class Config:
                  f"vision.enabled needs a placeholder id in [0, vocab_size={m.vocab_size}), got "
                  f"{m.media_placeholder_token_id}", "model.media_placeholder_token_id", "vision.enabled")
         return self
+
+    def _validate_eagle3(self, need: Any) -> None:
+        """``train.objective=eagle3``: what the draft needs of the config (the target checkpoint is preflight's)."""
+        m, t, p = self.model, self.train, self.parallel
+        need(bool(self.checkpoint.target), "checkpoint.target",
+             "train.objective=eagle3 needs the frozen target: checkpoint.target=PATH, a complete checkpoint (step "
+             "directory) of a trained k3train run of this model", "train.objective", "checkpoint.target")
+        need(t.draft_loss in ("lk", "kl"), "train.draft_loss", f"must be 'lk' or 'kl', got {t.draft_loss!r}")
+        need(t.draft_steps >= 1, "train.draft_steps", f"must be >= 1, got {t.draft_steps}")
+        need(m.num_nextn_predict_layers == 1, "model.num_nextn_predict_layers",
+             "train.objective=eagle3 fine-tunes the MTP layer into the draft: the model needs one (1)",
+             "model.num_nextn_predict_layers", "train.objective")
+        need(m.residual == "attnres", "model.residual",
+             "train.objective=eagle3 reads the draft's features from the AttnRes blocks (model.residual=attnres)",
+             "model.residual", "train.objective")
+        blocks, done = t.draft_feature_blocks, m.num_hidden_layers // m.attn_res_block_size
+        need(len(blocks) == 2 and all(1 <= b <= done for b in blocks), "train.draft_feature_blocks",
+             f"needs two completed AttnRes blocks in 1..{done} ({m.num_hidden_layers} layers in blocks of "
+             f"{m.attn_res_block_size}), got {blocks}", "train.draft_feature_blocks", "model.attn_res_block_size")
+        need(p.cp == 1, "parallel.cp", "train.objective=eagle3 (the draft's training-time test) does not run under "
+             "context parallelism; use parallel.cp=1", "parallel.cp", "train.objective")
 
     def to_dict(self) -> dict[str, Any]:
         """Settable fields per section, plus a ``derived`` section (ignored when loaded back)."""

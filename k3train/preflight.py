@@ -13,7 +13,11 @@ world size) and then runs :func:`preflight` for what the config alone cannot sho
   the run READS holding at least one ``seq_len + 1``-token sample. The train split is always read; the valid
   split only when ``train.eval_interval > 0``; the test split never (a split nobody reads is not checked and
   not built, so a tiny one cannot fail a run);
-* the pipeline partition and whether the schedule can run with this many micro-batches.
+* the pipeline partition and whether the schedule can run with this many micro-batches;
+* ``checkpoint.load_hf`` (a fresh start from a Hugging Face checkpoint): its config.json against the run's model,
+  every shard's header, every tensor present once with its shape (k3train/hf/load.py: check_hf_checkpoint).
+* ``train.objective=eagle3``: the target checkpoint (k3train/draft/target.py: complete, undamaged, an MTP layer,
+  this run's model and tokenizer).
 
 Bad input raises ConfigError, DataError or ParallelConfigError (:func:`is_bad_input`), each message one line
 naming the key; anything else is a bug, not bad input. Config errors are found before torch, megatron or the data
@@ -199,7 +203,30 @@ def preflight(cfg: Config) -> None:
     from k3train.nonfinite import check_injection  # noqa: PLC0415
 
     check_injection(cfg)  # a malformed K3TRAIN_INJECT_NAN (test fault injection) is bad input too
+    if cfg.train.objective == "eagle3":
+        from k3train.draft.target import check_target  # noqa: PLC0415
+
+        check_target(cfg)  # the frozen target checkpoint of EAGLE-3 draft training (k3train/draft/target.py)
     from k3train.checkpoint.resume import resume_preflight  # noqa: PLC0415
 
     resume_preflight(cfg)  # run directory, checkpoint to resume, run fingerprint (k3train/checkpoint/resume.py)
+    check_load_hf(cfg)
+
+
+def starts_from_hf(cfg: Config) -> bool:
+    """Whether this start loads ``checkpoint.load_hf`` (set, and no checkpoint of the run to resume instead)."""
+    if not cfg.checkpoint.load_hf:
+        return False
+    from k3train.checkpoint.resume import resume_candidate  # noqa: PLC0415
+
+    return resume_candidate(cfg) is None
+
+
+def check_load_hf(cfg: Config) -> None:
+    """A fresh start from a Hugging Face checkpoint: the checkpoint matches the run (one line naming what does
+    not), before any process group or model exists."""
+    if starts_from_hf(cfg):
+        from k3train.hf.load import check_hf_checkpoint  # noqa: PLC0415
+
+        check_hf_checkpoint(cfg)
 

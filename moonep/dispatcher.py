@@ -111,7 +111,8 @@ class EPDispatcher:
             raise ValueError(f"EPDispatcher {self.name}: bad shapes x{tuple(x_latent.shape)}, "
                              f"idx{tuple(topk_idx.shape)}, weight{tuple(topk_weight.shape)}")
         n_tok, k = topk_idx.shape
-        act = (experts.situ_beta, experts.situ_linear_beta, getattr(experts, "quant", None))  # quant: QAT numerics
+        # the experts' numerics: SiTU betas, QAT (quant), the activation (SiTU-GLU / SwiGLU)
+        act = (experts.situ_beta, experts.situ_linear_beta, getattr(experts, "quant", None), experts.act)
         y = _EPExperts.apply(x_latent, experts.w_gate, experts.w_up, experts.w_down, self, topk_idx, act)
         y = y.view(n_tok, k, -1)
         acc = torch.promote_types(y.dtype, torch.float32)
@@ -129,7 +130,7 @@ class EPDispatcher:
             return x_leaf, w_leaves, x.new_zeros(0, weights[2].shape[-1])
         with torch.enable_grad() if grad else contextlib.nullcontext():
             # QAT fake-quant (if any) happens inside, on the own shard and on the replicas alike
-            y = _grouped_ffn()(x_leaf, offsets, *w_leaves, act[0], act[1], impl=self.impl, quant=act[2])
+            y = _grouped_ffn()(x_leaf, offsets, *w_leaves, act[0], act[1], impl=self.impl, quant=act[2], act=act[3])
         return x_leaf, w_leaves, y
 
     def _forward(self, ctx: Any, x: torch.Tensor, weights: tuple[torch.Tensor, ...], topk_idx: torch.Tensor,

@@ -97,10 +97,21 @@ def param_breakdown(model: nn.Module, cfg: Any) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------------------
 # analytic counts from the config
 # --------------------------------------------------------------------------------------------------------------
+def kda_gate_params(cfg: Any) -> int:
+    """Parameters of the KDA output gate: full rank ``d x H K`` (K3), or Kimi Linear's rank-K ``g_a`` / ``g_b``."""
+    d, hk, K = cfg.hidden_size, cfg.kda_num_heads * cfg.kda_head_dim, cfg.kda_head_dim
+    return d * hk if cfg.use_full_rank_gate else d * K + K * hk
+
+
+def moe_latent_params(cfg: Any) -> int:
+    """Parameters of a MoE layer's latent down + up projections (0 without a latent projection)."""
+    return 2 * cfg.hidden_size * cfg.routed_expert_hidden_size if cfg.latent_moe else 0
+
+
 def _kda_matmul(cfg: Any) -> int:
     d, H, K, r = cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_decay_rank
     hk = H * K
-    return 3 * d * hk + d * H + d * r + r * hk + d * hk + hk * d  # q,k,v; beta; decay down/up; gate; out
+    return 3 * d * hk + d * H + d * r + r * hk + kda_gate_params(cfg) + hk * d  # q,k,v; beta; decay; gate; out
 
 
 def _mla_matmul(cfg: Any) -> int:
@@ -117,10 +128,10 @@ def _ffn_matmul(cfg: Any, layer: int) -> int:
     d = cfg.hidden_size
     if not cfg.is_moe_layer(layer):
         return 3 * d * cfg.intermediate_size
-    lat = cfg.routed_expert_hidden_size
+    lat = cfg.expert_hidden_size
     routed = cfg.num_experts_per_token * 3 * lat * cfg.moe_intermediate_size
     shared = cfg.num_shared_experts * 3 * d * cfg.shared_expert_intermediate_size
-    return d * cfg.num_experts + 2 * d * lat + routed + shared  # router, latent down+up, experts
+    return d * cfg.num_experts + moe_latent_params(cfg) + routed + shared  # router, latent down+up, experts
 
 
 def active_matmul_params(cfg: Any, include_mtp: bool = True) -> int:
@@ -149,6 +160,22 @@ def attention_flops_per_token(cfg: Any, seq_len: int, include_mtp: bool = True) 
 def model_flops_per_token(cfg: Any, seq_len: int, include_mtp: bool = True) -> float:
     """Training FLOPs (forward + backward = 3 x forward) per token for MFU."""
     return 3.0 * (2.0 * active_matmul_params(cfg, include_mtp) + attention_flops_per_token(cfg, seq_len, include_mtp))
+
+
+def draft_flops_per_token(cfg: Any, seq_len: int, steps: int) -> float:
+    """FLOPs per token of an EAGLE-3 draft training step (``train.objective=eagle3``, k3train/model/eagle3.py):
+    the frozen target's forward without its LM head; per draft step the draft layer's forward + backward
+    (``3 x``; its Gated MLA attends to ``(seq_len + 1) / 2 + j`` keys at step ``j``), the target's LM head on
+    the shifted position (forward) and the shared LM head on the draft (forward + the input gradient of a frozen
+    weight: ``2 x``); ``W_E3`` (``3 x``)."""
+    d, V = cfg.hidden_size, cfg.vocab_size
+    target = 2.0 * (active_matmul_params(cfg, include_mtp=False) - d * V)
+    target += attention_flops_per_token(cfg, seq_len, include_mtp=False)
+    per_head_key = 2 * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
+    layer = 2.0 * (2 * d * d + _mla_matmul(cfg) + _ffn_matmul(cfg, cfg.num_hidden_layers - 1))
+    draft = sum(3.0 * (layer + per_head_key * ((seq_len + 1) / 2 + j)) + 2.0 * d * V * (1 + 2)
+                for j in range(steps))
+    return target + draft + 3.0 * 2.0 * 3 * d * d
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -9,9 +9,11 @@ Per token ``x [d]`` and head ``h`` (``H = kda_num_heads``, ``K = V = kda_head_di
       = -exp(A_h) * softplus(z)              (Kimi Linear, "softplus")
     o = KDA(q, k, v, g, beta)                S_t = (I - b k k^T) Diag(exp(g_t)) S_{t-1} + b k v^T,  o_t = S_t^T q_t * K^-0.5
     y = W_o [sigmoid(W_g x) * RMSNorm_V(o)]  (K3's full-rank output gate; RMSNorm per head over V, shared weight)
+      W_g = W_g_up W_g_down                   (Kimi Linear's low-rank gate, ``use_full_rank_gate: false``: rank K)
 
 Parameter names follow HF Kimi Linear (``q_proj``, ``q_conv1d``, ``f_a_proj``/``f_b_proj`` = W_a_down/W_a_up,
-``dt_bias`` = b_a, ``A_log`` = A_h, ``b_proj``, ``o_norm``, ``o_proj``); the full-rank gate is ``g_proj``.
+``dt_bias`` = b_a, ``A_log`` = A_h, ``b_proj``, ``o_norm``, ``o_proj``); the full-rank gate is ``g_proj`` (K3), the
+low-rank one ``g_a_proj`` (d -> K) and ``g_b_proj`` (K -> H*K) as in Kimi Linear.
 The core op is :func:`k3train.ops.kda.chunk_kda` on the flattened ``[1, B*T]`` layout with ``seq.cu_seqlens``, so
 the state resets at every document and row start. Under KDA context parallelism (``seq.cp``) the conv takes its
 left halo from ``seq.cp.conv_halo`` and the core op is ``seq.cp.kda`` (it carries the state across ranks).
@@ -74,8 +76,6 @@ class KDALayer(nn.Module):
             raise ValueError(f"model.kda_num_heads ({H}) and model.kda_head_dim ({K}) must be > 0")
         if cfg.kda_decay_rank <= 0:
             raise ValueError(f"model.kda_decay_rank must be > 0, got {cfg.kda_decay_rank}")
-        if not cfg.use_full_rank_gate:
-            raise ValueError("model.use_full_rank_gate=false (Kimi Linear's low-rank gate) is not implemented")
         self.hidden_size, self.num_heads, self.head_dim = d, H, K
         self.decay_form, self.gate_lower_bound = cfg.kda_decay_form, float(cfg.gate_lower_bound)
         kda_decay(torch.zeros(1, 1), torch.zeros(1), self.decay_form, self.gate_lower_bound)  # validate the form
@@ -91,7 +91,12 @@ class KDALayer(nn.Module):
         self.f_b_proj = nn.Linear(cfg.kda_decay_rank, hk, bias=False)  # W_a_up
         self.dt_bias = nn.Parameter(torch.zeros(hk))  # b_a, per head and key channel
         self.A_log = nn.Parameter(torch.zeros(H))  # A_h, per head, init 0
-        self.g_proj = nn.Linear(d, hk, bias=False)  # full-rank output gate W_g
+        self.full_rank_gate = bool(cfg.use_full_rank_gate)
+        if self.full_rank_gate:
+            self.g_proj = nn.Linear(d, hk, bias=False)  # full-rank output gate W_g (K3)
+        else:  # Kimi Linear's low-rank output gate, rank K (the published g_a_proj / g_b_proj shapes)
+            self.g_a_proj = nn.Linear(d, K, bias=False)
+            self.g_b_proj = nn.Linear(K, hk, bias=False)
         self.o_norm = RMSNorm(K, cfg.rms_norm_eps)
         self.o_proj = nn.Linear(hk, d, bias=False)
         self.mark_param_attrs()
@@ -109,7 +114,6 @@ class KDALayer(nn.Module):
             mark_per_head(w, self.num_heads)
 
     def forward(self, x: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
-        B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
         ranges = head_ranges(H, self.head_chunk)
         if len(ranges) == 1:
@@ -150,9 +154,17 @@ class KDALayer(nn.Module):
             flat = [t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, beta)]
             o, _ = self.kda_op(*flat, scale=scale, cu_seqlens=seq.cu_seqlens)
             o = o.view(B, T, H, K)
-        gate = torch.sigmoid(lin(self.g_proj, rows)).view(B, T, H, K)
+        gate = torch.sigmoid(self.output_gate_logits(x, None if whole else rows)).view(B, T, H, K)
         o = self.o_norm(o.to(x.dtype)) * gate
         return o.reshape(B, T, H * K)
+
+    def output_gate_logits(self, x: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
+        """``W_g x`` ``[..., H*K]``: the full-rank gate, or the low-rank ``W_g_up W_g_down x``; with ``rows`` only
+        those output channels (a head chunk's)."""
+        if self.full_rank_gate:
+            return self.g_proj(x) if rows is None else F.linear(x, self.g_proj.weight[rows])
+        down = self.g_a_proj(x)
+        return self.g_b_proj(down) if rows is None else F.linear(down, self.g_b_proj.weight[rows])
 
     def _short_convs(self, x: torch.Tensor, seq: SeqInfo, projs: list[torch.Tensor],
                      rows: slice) -> list[torch.Tensor]:
@@ -172,4 +184,4 @@ class KDALayer(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, head_dim={self.head_dim}, decay={self.decay_form}"
-                f"(lower_bound={self.gate_lower_bound})")
+                f"(lower_bound={self.gate_lower_bound}), gate={'full' if self.full_rank_gate else 'low'}-rank")

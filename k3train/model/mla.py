@@ -2,12 +2,12 @@
 
 Per token ``x [d]``, ``H`` heads, ``Dn = qk_nope_head_dim``, ``Dr = qk_rope_head_dim``, ``Dv = v_head_dim``::
 
-    q      = W_uq RMSNorm(W_dq x)                     [H, Dn + Dr]      (q_lora_rank = 0: q = W_q x)
+    q      = W_uq RMSNorm(W_dq x)                     [H, Dn + Dr]      (q_lora_rank 0 / null: q = W_q x)
     latent = W_dkv x = [c_kv (kv_lora_rank) ; k_pe (Dr)]                 <- the only per-token KV cache (576 in K3)
     [k_nope ; v] = W_ukv RMSNorm(c_kv)                [H, Dn + Dv]
     k      = [k_nope ; k_pe broadcast over heads]     [H, Dn + Dr]
     o      = softmax(q k^T * (Dn + Dr)^-0.5 + mask) v      mask: key_pos <= query_pos and key_doc == query_doc
-    y      = W_o [sigmoid(W_g x) * o]
+    y      = W_o [sigmoid(W_g x) * o]                 (mla_use_output_gate false: y = W_o o, as Kimi Linear)
 
 NoPE (``mla_use_nope``): no rotary embedding is applied; the "rope" slot keeps its dimensions (it is part of the
 cached latent and of the q.k product) so checkpoints keep the published shapes. The attention is computed in
@@ -101,7 +101,7 @@ class MLA(nn.Module):
         if not cfg.mla_use_nope:
             raise ValueError("model.mla_use_nope=false (rotary MLA) is not implemented; K3 uses NoPE")
         d, H = cfg.hidden_size, cfg.num_attention_heads
-        self.num_heads, self.q_lora_rank, self.kv_lora_rank = H, cfg.q_lora_rank, cfg.kv_lora_rank
+        self.num_heads, self.q_lora_rank, self.kv_lora_rank = H, cfg.q_lora_rank or 0, cfg.kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.qk_dim = self.nope_dim + self.rope_dim
         if H <= 0 or self.qk_dim <= 0 or self.v_dim <= 0:
@@ -185,7 +185,13 @@ class MLA(nn.Module):
         k = torch.cat([k_nope, k_pe[:, :, None, :].expand(B, Tk, H, self.rope_dim)], dim=-1)
         return k, v
 
-    def forward(self, x: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, seq: SeqInfo,
+                attend: Callable[[MLA, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """``attend(self, x)`` (optional) computes the layer's output instead of the causal attention over ``seq``:
+        the EAGLE-3 draft's training-time test (k3train/model/eagle3.py), run through this module's call so module
+        hooks see it."""
+        if attend is not None:
+            return attend(self, x)
         latent = self.kv_a_proj_with_mqa(x)
         q_doc, q_pos = seq.doc_ids, seq.positions
         if seq.cp is not None:
@@ -213,8 +219,6 @@ class MLA(nn.Module):
     def _heads(self, x: torch.Tensor, latent: torch.Tensor, mask: MaskInfo, h0: int, h1: int) -> torch.Tensor:
         """Heads ``h0..h1-1`` up to the output projection: ``-> [B, T, (h1-h0)*Dv]`` (gated, ``x``'s dtype);
         updates their QK-Clip maxima."""
-        B, T, _ = x.shape
-        H = h1 - h0
         whole = (h0, h1) == (0, self.num_heads)
         wkv = self.kv_b_proj.weight
         w_kv = wkv if whole else wkv[h0 * (self.nope_dim + self.v_dim):h1 * (self.nope_dim + self.v_dim)]
@@ -235,7 +239,19 @@ class MLA(nn.Module):
             with torch.no_grad():
                 mx = self.qk_max[h0:h1]
                 mx.copy_(torch.maximum(mx, max_logit.to(mx.dtype)))
-        o = o.transpose(1, 2).reshape(B, T, H * self.v_dim)
+        return self._gated(x, o, h0, h1)
+
+    def project_out(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """The attention output ``o [B, H, T, Dv]`` (fp32) of the layer input ``x [B, T, d]`` -> ``y [B, T, d]``:
+        the sigmoid output gate, then W_o."""
+        return self.o_proj(self._gated(x, o, 0, self.num_heads))
+
+    def _gated(self, x: torch.Tensor, o: torch.Tensor, h0: int, h1: int) -> torch.Tensor:
+        """Heads ``h0..h1-1``'s attention output ``o [B, h1-h0, T, Dv]`` (fp32) -> ``[B, T, (h1-h0)*Dv]`` through
+        their rows of the sigmoid output gate, in ``x``'s dtype."""
+        B, T, _ = x.shape
+        whole = (h0, h1) == (0, self.num_heads)
+        o = o.transpose(1, 2).reshape(B, T, (h1 - h0) * self.v_dim)
         if self.use_output_gate:
             gw = self.g_proj.weight
             g = self.g_proj(x) if whole else F.linear(x, gw[h0 * self.v_dim:h1 * self.v_dim])

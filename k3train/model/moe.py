@@ -3,12 +3,18 @@
     u = sum_{j in TopK} p_j E_j(W_down x)          routed experts work in the latent width l
     y = sum_s Shared_s(x) + W_up RMSNorm(u)         shared experts see the full width d
 
+Without a latent projection (``routed_expert_hidden_size: null``, Kimi Linear's MoE) ``W_down``, ``W_up`` and the
+norm are absent: ``u = sum_j p_j E_j(x)`` in the width d and ``y = sum_s Shared_s(x) + u``.
+
 Pieces, each usable on its own:
 - :class:`Router`: sigmoid scores in fp32, top-k of ``scores + bias`` (bias = persistent buffer set by Quantile
-  Balancing, never gradient-trained), mixing weights from the unbiased scores; accumulates balancing statistics.
+  Balancing, never gradient-trained; HF ``e_score_correction_bias``), optionally within the token's best expert
+  groups (grouped top-k), mixing weights from the unbiased scores (renormalised over the k routes and scaled by
+  ``routed_scaling_factor``); accumulates balancing statistics.
 - :func:`permute_tokens` / :func:`unpermute_combine`: sort the N*k routes by expert and back (public so the
   expert-parallel dispatcher reuses them).
-- :func:`grouped_expert_ffn`: SiTU-GLU FFN of every local expert over its contiguous slice of the sorted rows,
+- :func:`grouped_expert_ffn`: gated FFN (SiTU-GLU or SwiGLU) of every local expert over its contiguous slice of the
+  sorted rows,
   via ``torch._grouped_mm`` (padded ``bmm`` where that kernel does not apply); readable references beside it.
   The one place an expert matmul consumes weights, so MXFP4 QAT (:mod:`k3train.quant.qat`) applies there.
 - :class:`LocalDispatcher`: the single-device dispatcher; ``LatentMoE.dispatcher`` is replaced from outside by
@@ -27,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3train.model.chunking import maybe_checkpoint, token_ranges
-from k3train.model.ffn import DenseFFN, situ_glu
+from k3train.model.ffn import DenseFFN, glu
 from k3train.model.norm import RMSNorm
 from k3train.quant.qat import NO_QUANT, ExpertQuant
 from k3train.ops.quantile_balancing import (
@@ -59,17 +65,24 @@ class Router(nn.Module):
     ``qb_hist[E, qb_bins]`` int32 -- non-persistent buffers, reset by :meth:`balance_step`.
 
     balance: ``'qb'`` (Quantile Balancing), ``'sign'`` (``b += rate * sign(mean - load)``), ``'none'``.
+    ``num_groups`` / ``topk_group`` (grouped top-k, :func:`group_choice_mask`): the experts form ``num_groups``
+    equal groups and a token's routes come from its ``topk_group`` best groups (1 group: plain top-k).
     estimator (QB): ``'histogram'`` (distributed path) or ``'exact'`` (keeps this rank's scores of the step in
     memory; exact only when one process routes the whole batch -- with several ranks it uses local scores).
     """
 
     def __init__(self, d: int, num_experts: int, k: int, *, renormalize: bool = True, scaling_factor: float = 1.0,
                  balance: str = "qb", estimator: str = "histogram", bins: int = 1000, ema: float = 0.0,
-                 sign_rate: float = 1e-3) -> None:
+                 sign_rate: float = 1e-3, num_groups: int = 1, topk_group: int = 1) -> None:
         super().__init__()
         if not 1 <= k < num_experts:
             raise ValueError(f"Router: need 1 <= num_experts_per_token < num_experts (QB routes top-(k+1)), "
                              f"got k={k}, num_experts={num_experts}")
+        if num_groups < 1 or num_experts % num_groups or not 1 <= topk_group <= num_groups \
+                or (num_groups > 1 and num_experts // num_groups < 2) \
+                or topk_group * (num_experts // num_groups) <= k:
+            raise ValueError(f"Router: bad grouped top-k: num_expert_group={num_groups}, topk_group={topk_group} "
+                             f"for {num_experts} experts and k={k}")
         if balance not in ("qb", "sign", "none"):
             raise ValueError(f"Router: router_balance must be 'qb', 'sign' or 'none', got {balance!r}")
         if estimator not in ("histogram", "exact"):
@@ -82,6 +95,7 @@ class Router(nn.Module):
         self.renormalize, self.scaling_factor = renormalize, float(scaling_factor)
         self.balance, self.estimator, self.bins = balance, estimator, bins
         self.ema, self.sign_rate = float(ema), float(sign_rate)
+        self.num_groups, self.topk_group = int(num_groups), int(topk_group)
         self.collect_stats = True  # callers may switch statistics off (e.g. evaluation in train mode)
         self.weight = nn.Parameter(torch.empty(num_experts, d))
         self.register_buffer("bias", torch.zeros(num_experts, dtype=torch.float32), persistent=True)
@@ -97,7 +111,7 @@ class Router(nn.Module):
         return cls(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_token,
                    renormalize=cfg.moe_renormalize, scaling_factor=cfg.routed_scaling_factor,
                    balance=cfg.router_balance, estimator=cfg.qb_estimator, bins=cfg.qb_bins, ema=cfg.qb_ema,
-                   sign_rate=cfg.sign_update_rate)
+                   sign_rate=cfg.sign_update_rate, num_groups=cfg.num_expert_group, topk_group=cfg.topk_group)
 
     def reset_parameters(self) -> None:
         """nn.Linear's default init for ``weight``; zero bias and statistics."""
@@ -125,7 +139,10 @@ class Router(nn.Module):
         # fp32 at least (float64 stays float64 for reference tests): scores decide discrete choices
         dtype = torch.promote_types(x.dtype, torch.float32)
         scores = torch.sigmoid(F.linear(x.to(dtype), self.weight.to(dtype)))
-        topk_idx, alpha = route_topk_plus_one(scores, self.bias, self.k)
+        allowed = None
+        if self.num_groups > 1:
+            allowed = group_choice_mask(scores.detach() + self.bias.to(dtype), self.num_groups, self.topk_group)
+        topk_idx, alpha = route_topk_plus_one(scores, self.bias, self.k, allowed)
         # mixing weights use the unbiased scores: the bias only decides who is selected
         topk_weight = scores.gather(1, topk_idx)
         if self.renormalize:
@@ -196,8 +213,20 @@ class Router(nn.Module):
         return metrics
 
     def extra_repr(self) -> str:
+        groups = f", groups={self.topk_group}/{self.num_groups}" if self.num_groups > 1 else ""
         return (f"d={self.d}, num_experts={self.num_experts}, k={self.k}, balance={self.balance}, "
-                f"estimator={self.estimator}, bins={self.bins}")
+                f"estimator={self.estimator}, bins={self.bins}{groups}")
+
+
+def group_choice_mask(biased: torch.Tensor, num_groups: int, topk_group: int) -> torch.Tensor:
+    """Grouped top-k (DeepSeek-V3's ``noaux_tc``, Kimi Linear): ``biased[N, E]`` (scores + balancing bias) ->
+    bool ``[N, E]``, True for the experts of each token's ``topk_group`` best groups, a group scored by the sum of
+    its two largest biased scores (groups are ``num_groups`` consecutive runs of ``E / num_groups`` experts)."""
+    n, e = biased.shape
+    group_scores = biased.view(n, num_groups, e // num_groups).topk(2, dim=-1).values.sum(dim=-1)
+    best = group_scores.topk(topk_group, dim=-1).indices  # [N, topk_group]
+    chosen = torch.zeros(n, num_groups, dtype=torch.bool, device=biased.device).scatter_(1, best, True)
+    return chosen.repeat_interleave(e // num_groups, dim=1)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -271,7 +300,7 @@ def _gmm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tenso
 
 def _padded_bmm_ffn(x: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                     w_down: torch.Tensor, beta: float, linear_beta: float,
-                    quant: ExpertQuant = NO_QUANT) -> torch.Tensor:
+                    quant: ExpertQuant = NO_QUANT, act: str = "situ") -> torch.Tensor:
     # Fallback: scatter the rows into [E, capacity, l] with capacity = the largest group, three bmm's, gather back.
     n_rows, num_experts = x.shape[0], offsets.numel()
     offs = offsets.to(torch.long)
@@ -281,14 +310,15 @@ def _padded_bmm_ffn(x: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor
                                             output_size=n_rows)
     slot = torch.arange(n_rows, device=x.device) - (offs - counts)[expert_of_row]
     xp = x.new_zeros(num_experts, capacity, x.shape[1]).index_put((expert_of_row, slot), x)
-    h = situ_glu(torch.bmm(xp, w_gate), torch.bmm(xp, w_up), beta, linear_beta)
+    h = glu(torch.bmm(xp, w_gate), torch.bmm(xp, w_up), act, beta, linear_beta)
     return torch.bmm(quant.input(h), w_down)[expert_of_row, slot]  # per-row blocks: padding rows stay apart
 
 
 def grouped_expert_ffn(x_sorted: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                        w_down: torch.Tensor, situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
-                       impl: str = "auto", quant: ExpertQuant | None = None) -> torch.Tensor:
-    """SiTU-GLU FFN of expert e on rows ``offsets[e-1]:offsets[e]`` of ``x_sorted`` (``offsets[-1] == N``).
+                       impl: str = "auto", quant: ExpertQuant | None = None, act: str = "situ") -> torch.Tensor:
+    """Gated FFN (``act``: ``"situ"`` SiTU-GLU with the betas, or ``"silu"`` SwiGLU; :func:`k3train.model.ffn.glu`)
+    of expert e on rows ``offsets[e-1]:offsets[e]`` of ``x_sorted`` (``offsets[-1] == N``).
 
     ``x_sorted[N, l]``, ``offsets[E]`` int32 cumulative ends, ``w_gate[E, l, f]``, ``w_up[E, l, f]``,
     ``w_down[E, f, l]`` -> ``[N, l]`` in ``x_sorted.dtype`` (weights are cast to it). Empty experts are fine. ``impl``: ``'grouped_mm'``
@@ -323,26 +353,27 @@ def grouped_expert_ffn(x_sorted: torch.Tensor, offsets: torch.Tensor, w_gate: to
         impl = "grouped_mm" if _grouped_mm_applies(x_sorted, w_gate, w_up, w_down) else "padded_bmm"
     if impl == "grouped_mm":
         offs = offsets.to(torch.int32)
-        h = situ_glu(_gmm(x_sorted, w_gate, offs), _gmm(x_sorted, w_up, offs), situ_beta, situ_linear_beta)
+        h = glu(_gmm(x_sorted, w_gate, offs), _gmm(x_sorted, w_up, offs), act, situ_beta, situ_linear_beta)
         return _gmm(quant.input(h), w_down, offs)
     if impl == "padded_bmm":
-        return _padded_bmm_ffn(x_sorted, offsets, w_gate, w_up, w_down, situ_beta, situ_linear_beta, quant)
+        return _padded_bmm_ffn(x_sorted, offsets, w_gate, w_up, w_down, situ_beta, situ_linear_beta, quant, act)
     if impl == "loop":
         return reference_grouped_expert_ffn(x_sorted, offsets, w_gate, w_up, w_down, situ_beta, situ_linear_beta,
-                                            quant.input)
+                                            quant.input, act)
     raise ValueError(f"grouped_expert_ffn: impl must be 'auto', 'grouped_mm', 'padded_bmm' or 'loop', got {impl!r}")
 
 
 def reference_grouped_expert_ffn(x_sorted: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor,
                                  w_up: torch.Tensor, w_down: torch.Tensor, situ_beta: float = 4.0,
                                  situ_linear_beta: float = 25.0,
-                                 input_quant: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+                                 input_quant: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                                 act: str = "situ") -> torch.Tensor:
     """Readable per-expert reference of :func:`grouped_expert_ffn` (a Python loop over experts).
     ``input_quant``: applied to the hidden activation ``h`` before the down projection (QAT with MXFP8 inputs)."""
     outs, start = [], 0
     for e, end in enumerate(offsets.tolist()):
         xe = x_sorted[start:end]
-        h = situ_glu(xe @ w_gate[e], xe @ w_up[e], situ_beta, situ_linear_beta)
+        h = glu(xe @ w_gate[e], xe @ w_up[e], act, situ_beta, situ_linear_beta)
         outs.append((input_quant(h) if input_quant is not None else h) @ w_down[e])
         start = end
     return torch.cat(outs) if outs else x_sorted.new_zeros(0, w_down.shape[-1])
@@ -350,7 +381,8 @@ def reference_grouped_expert_ffn(x_sorted: torch.Tensor, offsets: torch.Tensor, 
 
 def reference_expert_ffn_loop(x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor,
                               w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
-                              situ_beta: float = 4.0, situ_linear_beta: float = 25.0) -> torch.Tensor:
+                              situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
+                              act: str = "situ") -> torch.Tensor:
     """Readable per-token reference of the whole routed branch: ``out_i = sum_s w_is E_{idx_is}(x_i)``.
 
     ``x[N, l]``, ``topk_idx[N, k]``, ``topk_weight[N, k]`` -> ``[N, l]`` (slow; tests only)."""
@@ -359,14 +391,14 @@ def reference_expert_ffn_loop(x: torch.Tensor, topk_idx: torch.Tensor, topk_weig
         acc = x.new_zeros(w_down.shape[-1])
         for s in range(topk_idx.shape[1]):
             e = int(topk_idx[i, s])
-            h = situ_glu(x[i] @ w_gate[e], x[i] @ w_up[e], situ_beta, situ_linear_beta)
+            h = glu(x[i] @ w_gate[e], x[i] @ w_up[e], act, situ_beta, situ_linear_beta)
             acc = acc + topk_weight[i, s].to(x.dtype) * (h @ w_down[e])
         rows.append(acc)
     return torch.stack(rows) if rows else x.new_zeros(0, w_down.shape[-1])
 
 
 class GroupedExperts(nn.Module):
-    """``E`` SiTU-GLU experts of width ``f`` in latent width ``l`` as stacked parameters:
+    """``E`` gated experts (``act``) of width ``f`` in width ``l`` (latent, or d) as stacked parameters:
     ``w_gate[E, l, f]``, ``w_up[E, l, f]``, ``w_down[E, f, l]`` (3 * l * f per expert).
 
     ``forward(x_sorted[N, l], offsets[E] int32) -> [N, l]`` = :func:`grouped_expert_ffn`. Under expert
@@ -375,12 +407,13 @@ class GroupedExperts(nn.Module):
     """
 
     def __init__(self, num_experts: int, dim: int, inter: int, situ_beta: float = 4.0,
-                 situ_linear_beta: float = 25.0) -> None:
+                 situ_linear_beta: float = 25.0, act: str = "situ") -> None:
         super().__init__()
         if num_experts < 0 or dim <= 0 or inter <= 0:
             raise ValueError(f"GroupedExperts: bad sizes num_experts={num_experts}, l={dim}, f={inter}")
         self.num_experts, self.dim, self.inter = num_experts, dim, inter
         self.situ_beta, self.situ_linear_beta = float(situ_beta), float(situ_linear_beta)
+        self.act = act
         self.w_gate = nn.Parameter(torch.empty(num_experts, dim, inter))
         self.w_up = nn.Parameter(torch.empty(num_experts, dim, inter))
         self.w_down = nn.Parameter(torch.empty(num_experts, inter, dim))
@@ -395,11 +428,12 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x_sorted: torch.Tensor, offsets: torch.Tensor, impl: str = "auto") -> torch.Tensor:
         return grouped_expert_ffn(x_sorted, offsets, self.w_gate, self.w_up, self.w_down,
-                                  self.situ_beta, self.situ_linear_beta, impl=impl, quant=self.quant)
+                                  self.situ_beta, self.situ_linear_beta, impl=impl, quant=self.quant, act=self.act)
 
     def extra_repr(self) -> str:
         qat = f", qat={self.quant.weights}/{self.quant.inputs}" if self.quant.active else ""
-        return f"num_experts={self.num_experts}, l={self.dim}, f={self.inter}{qat}"
+        act = f", act={self.act}" if self.act != "situ" else ""
+        return f"num_experts={self.num_experts}, l={self.dim}, f={self.inter}{act}{qat}"
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -430,20 +464,26 @@ class LatentMoE(nn.Module):
     (:class:`GroupedExperts`, E experts of width ``moe_intermediate_size``), ``latent_norm`` (RMSNorm(l), only if
     ``latent_moe_use_norm``), ``latent_up`` (l -> d), ``shared_experts.{s}`` (``num_shared_experts`` separate
     DenseFFN(d, ``shared_expert_intermediate_size``)). ``dispatcher``: plain attribute (not a submodule).
+    Without a latent projection (``routed_expert_hidden_size`` null) ``latent_down`` / ``latent_up`` /
+    ``latent_norm`` are None and the experts work in width d.
     """
 
     def __init__(self, cfg: Any) -> None:
         super().__init__()
-        d, l_dim = cfg.hidden_size, cfg.routed_expert_hidden_size
-        beta, lin_beta = cfg.activation_situ_beta, cfg.activation_situ_linear_beta
+        d = cfg.hidden_size
+        latent = cfg.routed_expert_hidden_size is not None
+        l_dim = cfg.routed_expert_hidden_size if latent else d
+        beta, lin_beta, act = cfg.activation_situ_beta, cfg.activation_situ_linear_beta, cfg.hidden_act
+        if not latent and cfg.latent_moe_use_norm:
+            raise ValueError("LatentMoE: latent_moe_use_norm needs a latent projection (routed_expert_hidden_size)")
         self.d, self.latent_dim = d, l_dim
         self.router = Router.from_config(cfg)
-        self.latent_down = nn.Linear(d, l_dim, bias=False)
-        self.experts = GroupedExperts(cfg.num_experts, l_dim, cfg.moe_intermediate_size, beta, lin_beta)
+        self.latent_down = nn.Linear(d, l_dim, bias=False) if latent else None
+        self.experts = GroupedExperts(cfg.num_experts, l_dim, cfg.moe_intermediate_size, beta, lin_beta, act)
         self.latent_norm = RMSNorm(l_dim, cfg.rms_norm_eps) if cfg.latent_moe_use_norm else None
-        self.latent_up = nn.Linear(l_dim, d, bias=False)
-        self.shared_experts = nn.ModuleList(
-            DenseFFN(d, cfg.shared_expert_intermediate_size, beta, lin_beta) for _ in range(cfg.num_shared_experts))
+        self.latent_up = nn.Linear(l_dim, d, bias=False) if latent else None
+        self.shared_experts = nn.ModuleList(DenseFFN(d, cfg.shared_expert_intermediate_size, beta, lin_beta, act)
+                                            for _ in range(cfg.num_shared_experts))
         self.dispatcher: Callable[..., torch.Tensor] = LocalDispatcher()
         # tokens per chunk (model.moe_token_chunk) and whether each chunk is recomputed on its own in the backward
         # (set from outside: parallel.recompute_granularity = sublayer; k3train/model/chunking.py)
@@ -453,14 +493,18 @@ class LatentMoE(nn.Module):
     def routed_latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x[N, d]`` -> ``(z[N, l], topk_idx, topk_weight)``: the latent tokens to dispatch and their routes."""
         topk_idx, topk_weight, _ = self.router(x)
-        return self.latent_down(x), topk_idx, topk_weight
+        return self.to_latent(x), topk_idx, topk_weight
+
+    def to_latent(self, x: torch.Tensor) -> torch.Tensor:
+        """``W_down x`` (``x`` itself without a latent projection)."""
+        return self.latent_down(x) if self.latent_down is not None else x
 
     def combine(self, x: torch.Tensor, u: torch.Tensor, shared: list[torch.Tensor] | None = None) -> torch.Tensor:
         """``y = sum_s Shared_s(x) + W_up RMSNorm(u)`` for ``x[N, d]``, ``u[N, l]``; ``shared``: the shared experts'
         outputs when already computed (the same sum, in the same order)."""
         if self.latent_norm is not None:
             u = self.latent_norm(u)
-        y = self.latent_up(u)
+        y = self.latent_up(u) if self.latent_up is not None else u
         for out in shared if shared is not None else (s(x) for s in self.shared_experts):
             y = y + out
         return y
@@ -491,6 +535,6 @@ def latent_moe_reference(moe: LatentMoE, x: torch.Tensor) -> torch.Tensor:
     flat = x.reshape(-1, moe.d)
     topk_idx, topk_weight, _, _ = moe.router.route(flat)
     ex = moe.experts
-    u = reference_expert_ffn_loop(moe.latent_down(flat), topk_idx, topk_weight, ex.w_gate, ex.w_up, ex.w_down,
-                                  ex.situ_beta, ex.situ_linear_beta)
+    u = reference_expert_ffn_loop(moe.to_latent(flat), topk_idx, topk_weight, ex.w_gate, ex.w_up, ex.w_down,
+                                  ex.situ_beta, ex.situ_linear_beta, ex.act)
     return moe.combine(flat, u).view(x.shape)

@@ -37,8 +37,10 @@ def target_count(num_assignments: torch.Tensor | int, num_experts: int) -> torch
     return (num_assignments + num_experts - 1) // num_experts
 
 
-def route_topk_plus_one(scores: torch.Tensor, bias: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-(k+1) routing of ``scores[m, n] + bias[n]``.
+def route_topk_plus_one(scores: torch.Tensor, bias: torch.Tensor, k: int,
+                        allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-(k+1) routing of ``scores[m, n] + bias[n]`` (only over the experts ``allowed[m, n]`` marks, when given:
+    grouped top-k, k3train/model/moe.py ``group_choice_mask``).
 
     Returns ``topk_idx[m, k]`` (long; the route, by decreasing biased score) and ``alpha[m]`` (the (k+1)-th
     biased score, the token threshold of QB), both without gradient.
@@ -49,7 +51,10 @@ def route_topk_plus_one(scores: torch.Tensor, bias: torch.Tensor, k: int) -> tup
     if bias.shape != (n,):
         raise ValueError(f"route_topk_plus_one: bias must have shape ({n},), got {tuple(bias.shape)}")
     with torch.no_grad():
-        vals, idx = torch.topk(scores.detach() + bias.to(scores.dtype), k + 1, dim=-1, sorted=True)
+        biased = scores.detach() + bias.to(scores.dtype)
+        if allowed is not None:
+            biased = biased.masked_fill(~allowed, float("-inf"))
+        vals, idx = torch.topk(biased, k + 1, dim=-1, sorted=True)
     return idx[:, :k], vals[:, k]
 
 

@@ -36,9 +36,10 @@ from k3train.planning.devices import host_key, load_cache, median_time, save_cac
 
 # bumped whenever what bench_layers runs changes, so a calibration file never serves times of an older method
 # (2: EP layers through the real dispatcher, CP layers through KCP / MLA-CP; 3: the backward under recompute
-# timed, fused AttnRes aggregation; 4: the KDA op keeps its solve for the backward; 5: MLA-CP balanced, head and
-# token chunks)
-LAYERS_VERSION = 5
+# timed, fused AttnRes aggregation; 4: the KDA op keeps its solve for the backward; 5: EP set up by
+# apply_expert_parallel, MoonEP layouts timed through MoonEP's own dispatcher; 6: MLA-CP balanced, head and token
+# chunks)
+LAYERS_VERSION = 6
 
 
 def _key(cfg: Any, *parts: Any) -> str:
@@ -53,26 +54,40 @@ def _time(fn, reps: int = 3) -> float:  # noqa: ANN001
     return median_time(fn, reps)
 
 
-def _model(cfg: Any, ep: int) -> torch.nn.Module:
+@dataclass
+class _SimEPDims:
+    """What :func:`moonep.shard.apply_expert_parallel` reads of a ``ParallelDims``, for rank 0 of a simulated EP
+    group (:class:`k3train.planning.sim_collectives.SimGroup`)."""
+    ep: int
+    ep_rank: int = 0
+
+    def group(self, name: str) -> Any:
+        from k3train.planning.sim_collectives import SimGroup
+
+        assert name == "ep", name
+        return SimGroup(self.ep, self.ep_rank, "ep")
+
+    def ranks(self, name: str) -> list[int]:
+        assert name == "ep", name
+        return list(range(self.ep))
+
+
+def _model(cfg: Any, ep: int, moonep: bool = False) -> torch.nn.Module:
     from k3train.model.model import K3Model
     from k3train.parallelize import cast_params_to_bf16
 
     torch.manual_seed(0)
     m = K3Model(cfg.model, cfg.vision)
     if ep > 1:
-        # the real expert-parallel dispatcher (routing-count exchange, host-side plan and token layout, the
-        # index shuffles around the all-to-alls) on a simulated group: its collectives do the local work only
-        # (k3train.planning.sim_collectives; the planner's link model adds the communication). Plain EP: MoonEP's
-        # replica transfers are point-to-point, which the simulation does not cover (their cost is the model's).
-        from k3train.planning.sim_collectives import SimGroup
-        from moonep.dispatcher import EPDispatcher
-        from moonep.shard import _latent_moes, shard_experts
+        # the real expert-parallel set-up (moonep.shard.apply_expert_parallel: the dispatchers, their shared
+        # token buffers and replica pool) on a simulated group: the collectives and MoonEP's point-to-point replica
+        # transfers do the local work only (k3train.planning.sim_collectives; the planner's link model adds the
+        # communication), so a timed layer holds the dispatcher's host work -- the routing-count exchange, the
+        # MoonEP plan and token layout, the replica-pool fetches and the gradient reduce-back rounds, the index
+        # shuffles around the all-to-alls
+        from moonep.shard import apply_expert_parallel
 
-        for name, moe in _latent_moes(m):
-            E = moe.experts.num_experts
-            shard_experts(moe.experts, ep, 0)
-            moe.dispatcher = EPDispatcher(num_experts=E, ep_group=SimGroup(ep, 0, "ep"), ep_ranks=list(range(ep)),
-                                          ep_rank=0, moonep=False, name=name)
+        apply_expert_parallel(m, _SimEPDims(ep), moonep=moonep, separate_weight_group=False)
     if cfg.train.dtype == "bfloat16":
         cast_params_to_bf16([m])
     m.train()
@@ -98,11 +113,12 @@ def _cp_seq(cfg: Any, B: int, T: int) -> tuple[Any, Any]:
     return row[C - 1], seq
 
 
-def bench_layers(cfg: Any, B: int, T: int, ep: int, threads: int) -> dict[str, Any]:
+def bench_layers(cfg: Any, B: int, T: int, ep: int, threads: int, moonep: bool = False) -> dict[str, Any]:
     """``{'embed': [f, b, b_rc], 'layers': [[f, b, b_rc], ...], 'head': [f, b, b_rc]}`` seconds for one ``[B, T]``
-    micro-batch (``b_rc``: the backward under ``parallel.recompute``, its re-run forward included)
+    micro-batch, with MoonEP also ``'p2p_layers': [[calls, bytes] forward + [calls, bytes] backward, ...]`` and
+    ``'p2p_head'`` (the point-to-point its dispatchers issued for one micro-batch: the link model charges them) (``b_rc``: the backward under ``parallel.recompute``, its re-run forward included)
     (``T`` = the rank's segment: ``seq_len / cp``; under ``cfg.parallel.cp > 1`` through the real KCP / MLA-CP
-    code of the last CP rank, :func:`_cp_seq`)."""
+    code of the last CP rank, :func:`_cp_seq`; ``moonep``: the EP layers through MoonEP's dispatcher)."""
     import contextlib
 
     from k3train.model.attnres import AttnResState
@@ -116,14 +132,15 @@ def bench_layers(cfg: Any, B: int, T: int, ep: int, threads: int) -> dict[str, A
     cp = cfg.parallel.cp > 1
     stack = contextlib.ExitStack()
     try:
-        model = _model(cfg, ep)
+        model = _model(cfg, ep, moonep)
         if cp:
             batch, seq = _cp_seq(cfg, B, T)
         else:
             batch, _ = trace_batch(cfg, B, T)
             seq = SeqInfo.from_doc_ids(batch.doc_ids, batch.positions)
+        p2p_log: list[tuple[int, int]] = []
         if cp or ep > 1:
-            stack.enter_context(simulated_collectives())
+            stack.enter_context(simulated_collectives(p2p_log))
         d, bs, L = cfg.model.hidden_size, cfg.model.attn_res_block_size, cfg.model.num_hidden_layers
         dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32
 
@@ -163,6 +180,17 @@ def bench_layers(cfg: Any, B: int, T: int, ep: int, threads: int) -> dict[str, A
             tfb_rc = _time(both_rc)
             return tf, max(0.0, tfb - tf), max(0.0, tfb_rc - tf)
 
+        def p2p_of(fwd) -> list[int]:  # noqa: ANN001
+            """``[calls, bytes]`` of point-to-point in one forward, then in its backward (MoonEP's replica
+            fetches and gradient reduce-back, as its dispatcher issues them for this micro-batch)."""
+            p2p_log.clear()
+            roots = fwd()
+            f = [len(p2p_log), sum(b for _, b in p2p_log)]
+            p2p_log.clear()
+            torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
+            model.zero_grad(set_to_none=True)
+            return f + [len(p2p_log), sum(b for _, b in p2p_log)]
+
         def embed() -> list[torch.Tensor]:
             st = model.embed(batch.tokens)
             return [st.blocks[0]]
@@ -175,6 +203,8 @@ def bench_layers(cfg: Any, B: int, T: int, ep: int, threads: int) -> dict[str, A
                 return roots_of(model.forward_layers(state_of(lv, i), i, i + 1, seq), i)
 
             out["layers"].append(list(fb(layer)))
+            if moonep and ep > 1:
+                out.setdefault("p2p_layers", []).append(p2p_of(layer))
         lv = leaves(L)
         mtp_w = cfg.model.mtp_loss_weight if cfg.model.num_nextn_predict_layers else 0.0
 
@@ -183,6 +213,8 @@ def bench_layers(cfg: Any, B: int, T: int, ep: int, threads: int) -> dict[str, A
             return [o["lm_loss_sum"] + mtp_w * o["mtp_loss_sum"]]
 
         out["head"] = list(fb(head))
+        if moonep and ep > 1:
+            out["p2p_head"] = p2p_of(head)  # the MTP layer's MoE
         return out
     finally:
         stack.close()
@@ -337,13 +369,16 @@ class LayerTimes:
     def _slot(self) -> dict[str, Any]:
         return self.data.setdefault(self.host, {}).setdefault("layers", {})
 
-    def layers(self, cfg: Any, B: int, T: int, ep: int) -> dict[str, Any]:
+    def layers(self, cfg: Any, B: int, T: int, ep: int, moonep: bool = False) -> dict[str, Any]:
         cp = cfg.parallel.cp
-        k = _key(cfg, f"v{LAYERS_VERSION}", f"B={B}", f"T={T}", f"ep={ep}", *([f"cp={cp}"] if cp > 1 else []))
+        moonep = moonep and ep > 1
+        k = _key(cfg, f"v{LAYERS_VERSION}", f"B={B}", f"T={T}", f"ep={ep}", *([f"cp={cp}"] if cp > 1 else []),
+                 *(["moonep"] if moonep else []))
         slot = self._slot()
         if k not in slot:
-            self.log(f"timing layers at [{B}, {T}] tokens, ep={ep}{f', cp={cp} (KCP code)' if cp > 1 else ''} ...")
-            slot[k] = bench_layers(cfg, B, T, ep, self.threads)
+            self.log(f"timing layers at [{B}, {T}] tokens, ep={ep}{' (MoonEP)' if moonep else ''}"
+                     f"{f', cp={cp} (KCP code)' if cp > 1 else ''} ...")
+            slot[k] = bench_layers(cfg, B, T, ep, self.threads, moonep)
             self.dirty = True
         return slot[k]
 

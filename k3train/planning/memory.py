@@ -759,8 +759,8 @@ def ep_buffers(cfg: Config, model: nn.Module, ep: int, B: int, T: int) -> tuple[
     # one dispatch per token chunk of a LatentMoE (model.moe_token_chunk): the buffers hold one chunk's rows
     n_tok = min(B * T, m.moe_token_chunk) if m.moe_token_chunk > 0 else B * T
     send, recv = token_buffer_rows(n_tok, m.num_experts_per_token, ep, n, cfg.parallel.moonep)
-    persistent = (send + recv) * m.routed_expert_hidden_size * es
-    replica = 3 * n * m.routed_expert_hidden_size * m.moe_intermediate_size * es if cfg.parallel.moonep else 0
+    persistent = (send + recv) * m.expert_hidden_size * es
+    replica = 3 * n * m.expert_hidden_size * m.moe_intermediate_size * es if cfg.parallel.moonep else 0
     if replica:
         from moonep.replica_pool import NUM_BANKS
 
@@ -826,6 +826,17 @@ def walk_schedule(program: list[Any], traces: dict[int, ChunkTrace], grad_full: 
 
 
 # --------------------------------------------------------------------------------------------------------------
+def check_modelled(cfg: Any) -> None:
+    """Refuse (one ConfigError line) what this estimate does not model: ``train.objective=eagle3`` runs the frozen
+    target forward-only with the draft's forward and backward on the last stage (k3train/draft/objective.py), not
+    the LM training step traced here. Called by tools/memory.py and tools/plan.py before any work."""
+    from k3train.config import ConfigError
+
+    if cfg.train.objective != "lm":
+        raise ConfigError(f"train.objective: the memory estimate and the planner model LM training (train.objective="
+                          f"lm), not the {cfg.train.objective} draft step ({cfg.origin('train.objective')})")
+
+
 def estimate(cfg: Config, world_size: int, cache: Any = None, media: MediaCase | None = None) -> Estimate:
     """Per-rank memory of one training step of ``cfg`` on ``world_size`` ranks (see the module docstring).
 

@@ -13,6 +13,8 @@ local work with the same output shapes and the same in-place writes as the real 
 * ``all_reduce`` / ``broadcast``: nothing changes (the tensor is already the right size);
 * ``all_to_all_single``: the output receives the input (balanced routing: a rank receives what it sends) --
   with a :class:`SimBoard`, the real rows every thread-rank addressed to this one;
+* point-to-point (``P2POp`` + ``batch_isend_irecv``, ``isend`` / ``irecv``; MoonEP's replica weights and their
+  gradients' reduce-back): a send does nothing, a receive zero-fills its tensor (the peer's values are unknown);
 * ``get_world_size`` / ``get_rank``: the SimGroup's.
 
 Every call on a real process group (or no group) goes to torch unchanged. Calls made with ``async_op=True`` get a
@@ -20,6 +22,7 @@ finished work object. The module never allocates beyond what the real collective
 """
 from __future__ import annotations
 
+import functools
 import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
@@ -109,9 +112,24 @@ _SIMULATED: dict[str, tuple[int, Any]] = {
 }
 
 
+class _SimP2POp:
+    """``dist.P2POp`` on a :class:`SimGroup` (torch's own resolves the peer through a real process group)."""
+
+    def __init__(self, op: Any, tensor: torch.Tensor, peer: int | None = None, group: Any = None, tag: int = 0,
+                 group_peer: int | None = None) -> None:
+        self.op, self.tensor, self.peer, self.group, self.tag = op, tensor, peer, group, tag
+
+
+def _is_recv(op: Any) -> bool:
+    return getattr(op, "__name__", "") == "irecv"
+
+
 @contextmanager
-def simulated_collectives() -> Iterator[None]:
-    """Patch ``torch.distributed`` so that calls on a :class:`SimGroup` run locally (see the module docstring)."""
+def simulated_collectives(p2p_log: list[tuple[int, int]] | None = None) -> Iterator[None]:
+    """Patch ``torch.distributed`` so that calls on a :class:`SimGroup` run locally (see the module docstring).
+    ``p2p_log``: every simulated point-to-point call (a ``batch_isend_irecv`` batch, or one ``isend`` / ``irecv``)
+    appends ``(1, bytes)``, the larger of what it sends and receives (links are full duplex) -- the calls a rank's
+    code makes, and their bytes, are what the planner's link model charges (k3train/planning/layer_bench.py)."""
     saved: dict[str, Any] = {}
 
     def wrap(name: str, pos: int, action: Any) -> Any:
@@ -134,10 +152,51 @@ def simulated_collectives() -> Iterator[None]:
             return orig(group, *args, **kwargs)
         return call
 
+    def p2p_op(orig: Any) -> Any:
+        def make(op: Any, tensor: torch.Tensor, peer: int | None = None, group: Any = None, tag: int = 0,
+                 group_peer: int | None = None) -> Any:
+            cls = _SimP2POp if isinstance(group, SimGroup) else orig
+            return cls(op, tensor, peer, group, tag, group_peer)
+        return make
+
+    def batch_p2p(orig: Any) -> Any:
+        def call(ops: list[Any]) -> list[Any]:
+            sim = [isinstance(o, _SimP2POp) for o in ops]
+            if not any(sim):
+                return orig(ops)
+            if not all(sim):
+                raise RuntimeError("simulated_collectives: one batch_isend_irecv mixes simulated and real groups")
+            moved = {True: 0, False: 0}  # bytes received, sent
+            for o in ops:
+                if _is_recv(o.op):
+                    o.tensor.zero_()
+                moved[_is_recv(o.op)] += o.tensor.numel() * o.tensor.element_size()
+            if p2p_log is not None:
+                p2p_log.append((1, max(moved.values())))
+            return [_Done() for _ in ops]
+        return call
+
+    def single_p2p(name: str, orig: Any) -> Any:
+        @functools.wraps(orig)  # keeps __name__: a P2POp built with the patched irecv is still a receive
+        def call(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if not isinstance(_group_of(args, kwargs, 1), SimGroup):
+                return orig(tensor, *args, **kwargs)
+            if name == "irecv":
+                tensor.zero_()
+            if p2p_log is not None:
+                p2p_log.append((1, tensor.numel() * tensor.element_size()))
+            return _Done()
+        return call
+
     for name, (pos, action) in _SIMULATED.items():
         if hasattr(dist, name):
             saved[name] = getattr(dist, name)
             setattr(dist, name, wrap(name, pos, action))
+    saved["P2POp"], saved["batch_isend_irecv"] = dist.P2POp, dist.batch_isend_irecv
+    dist.P2POp, dist.batch_isend_irecv = p2p_op(dist.P2POp), batch_p2p(dist.batch_isend_irecv)
+    for name in ("isend", "irecv"):
+        saved[name] = getattr(dist, name)
+        setattr(dist, name, single_p2p(name, saved[name]))
     for name in ("get_world_size", "get_rank"):
         saved[name] = getattr(dist, name)
         setattr(dist, name, size_or_rank(name))

@@ -14,8 +14,9 @@ Per virtual stage and micro-batch (``B = micro_batch_size`` rows of ``T = seq_le
   ``moe_maxvio`` in metrics.jsonl); MoonEP computes exactly ``N*k`` rows on every rank (skew 1).
 * in-action communication: EP -- per MoE layer two all-to-alls forward (dispatch, combine) and two backward of
   ``N*k`` latent rows, the ``(ep-1)/ep`` that leave the rank (x skew on the busiest receiver without MoonEP); MoonEP
-  adds the redundant experts' weight prefetch (``min(E/ep, ceil((skew-1) E/ep))`` experts of ``3 l f`` each) and
-  their fp32 gradient reduce-back; ``1 - ep_overlap`` of it is exposed. KCP -- per KDA layer one all-gather of
+  adds the redundant experts' weight prefetch and their fp32 gradient reduce-back: on ``cpu`` the point-to-point
+  calls and bytes its dispatcher issued while the layers were timed (each call a ``Device.call_cost('p2p')``), on
+  GPUs ``min(E/ep, ceil((skew-1) E/ep))`` experts of ``3 l f`` each; ``1 - ep_overlap`` of it is exposed. KCP -- per KDA layer one all-gather of
   the ``B x H x dk x (dk+dv)`` fp32 pairs forward and one backward; MLA-CP -- per MLA layer an all-gather of the
   ``B x T x (kv_lora_rank + rope)`` latents forward and a reduce-scatter backward, and under the causal balance two
   half-segment swaps each way (the layer's input and output, ``B x T/2 x d`` with the partner rank ``cp-1-r``,
@@ -239,10 +240,10 @@ def layer_compute(cfg: Any, dev: Device, lay: Any, layer_times: Any, skew: float
     B, Tfull = lay.mbs, cfg.train.seq_len
     T = Tfull // lay.cp
     N = B * T
-    routed = 2.0 * m.num_experts_per_token * 3 * m.routed_expert_hidden_size * m.moe_intermediate_size
+    routed = 2.0 * m.num_experts_per_token * 3 * m.expert_hidden_size * m.moe_intermediate_size
     sk = 1.0 if (lay.moonep or lay.ep == 1) else skew
     if layer_times is not None:
-        t = layer_times.layers(cfg, B, T, lay.ep)
+        t = layer_times.layers(cfg, B, T, lay.ep, lay.moonep)
         a = anchor_of(layer_times, cfg)
         s = a.fb_scale if a is not None else 1.0  # the trainer's forward + backward over the isolated layers'
         layers = []
@@ -275,10 +276,14 @@ def mla_context(cfg: Any, cp: int) -> int:
     return 2 * t_full - t_full // cp - 1
 
 
-def comm_per_layer(cfg: Any, dev: Device, lay: Any, skew: float) -> tuple[list[float], list[float]]:
+def comm_per_layer(cfg: Any, dev: Device, lay: Any, skew: float,
+                   p2p: list[list[int]] | None = None) -> tuple[list[float], list[float]]:
     """Per layer (forward, backward) exposed EP / KCP / MLA-CP seconds per micro-batch (module docstring); the
     list has one more entry than the backbone: the MTP layer (MLA attention + the last layer's FFN kind), which
-    runs on the last stage. Call counts are the implementation's (checked against a traced step)."""
+    runs on the last stage. Call counts are the implementation's (checked against a traced step). ``p2p``: per
+    layer (and the MTP layer last) ``[calls, bytes]`` of MoonEP's point-to-point in the forward, then in the
+    backward, as its dispatcher issued them for one micro-batch (``--device cpu``: counted while the layers are
+    timed, k3train/planning/layer_bench.py); without it the replica transfers come from the skew."""
     from k3train.model.chunking import head_ranges, token_ranges
     m = cfg.model
     es = 2 if cfg.train.dtype == "bfloat16" else 4
@@ -298,14 +303,19 @@ def comm_per_layer(cfg: Any, dev: Device, lay: Any, skew: float) -> tuple[list[f
             # moonep/dispatcher.py: forward = routing-count all-gather + dispatch + combine all-to-all; backward
             # = the two all-to-alls of the gradients; once per token chunk of the layer (model.moe_token_chunk)
             n_disp = len(token_ranges(N, m.moe_token_chunk))
-            a2a = ring_time("all_to_all", 2 * rows * m.routed_expert_hidden_size * es * sk, ep_ranks, dev,
+            a2a = ring_time("all_to_all", 2 * rows * m.expert_hidden_size * es * sk, ep_ranks, dev,
                             calls=2 * n_disp)
             f += a2a + ring_time("all_gather", n_disp * lay.ep * m.num_experts * 4, ep_ranks, dev, calls=n_disp)
             b += a2a
-            if lay.moonep:
+            if lay.moonep and p2p is not None and p2p[j] is not None:
+                fc, fbytes, bc, bbytes = p2p[j]
+                lat, bwid = group_link(ep_ranks, dev)
+                f += fc * (dev.call_cost("p2p") + lat) + fbytes / bwid
+                b += bc * (dev.call_cost("p2p") + lat) + bbytes / bwid
+            elif lay.moonep:
                 n_loc = m.num_experts // lay.ep
                 red = min(n_loc, math.ceil(max(0.0, skew - 1.0) * n_loc))
-                w = 3 * m.routed_expert_hidden_size * m.moe_intermediate_size
+                w = 3 * m.expert_hidden_size * m.moe_intermediate_size
                 lat, bwid = group_link(ep_ranks, dev)
                 if red:  # the shared replica pool: fetched in forward, fetched again + fp32 grads reduced back
                     f += dev.call_cost("p2p") + lat + red * w * es / bwid
@@ -347,7 +357,12 @@ def _layer_terms(cfg: Any, dev: Device, lay: Any, layer_times: Any, skew: float)
     key = (id(cfg.model), id(dev), id(layer_times), skew, lay.mbs, lay.cp, lay.ep, lay.moonep, cfg.train.seq_len,
            cfg.train.dtype, cfg.parallel.mla_cp_balance)
     if key not in _MEMO:
-        _MEMO[key] = (layer_compute(cfg, dev, lay, layer_times, skew), comm_per_layer(cfg, dev, lay, skew),
+        p2p = None
+        if layer_times is not None and lay.moonep and lay.ep > 1:  # what MoonEP's dispatcher issued when timed
+            t = layer_times.layers(cfg, lay.mbs, cfg.train.seq_len // lay.cp, lay.ep, True)
+            if "p2p_layers" in t:
+                p2p = list(t["p2p_layers"]) + [t.get("p2p_head")]
+        _MEMO[key] = (layer_compute(cfg, dev, lay, layer_times, skew), comm_per_layer(cfg, dev, lay, skew, p2p),
                       (cfg.model, dev, layer_times))  # keep the id()s alive
     return _MEMO[key][:2]
 

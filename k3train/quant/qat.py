@@ -89,13 +89,27 @@ class ExpertQuant:
 NO_QUANT = ExpertQuant()
 
 
-def expert_weight_to_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def expert_weight_to_mxfp4(w: torch.Tensor, like: tuple[torch.Tensor, torch.Tensor] | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """An expert weight stack ``w[E, in, out]`` (k3train's layout, applied as ``x @ w[e]``) -> the published MXFP4
     layout per expert, ``nn.Linear``-shaped ``[out, in]``: ``(packed[E, out, in/2] uint8, scales[E, out, in/32]
-    uint8)`` (E2M1 nibbles, element 2j low; E8M0 scales). The same numbers the QAT forward computes with."""
-    from k3train.quant.mx import pack_e2m1, quantize
+    uint8)`` (E2M1 nibbles, element 2j low; E8M0 scales). The same numbers the QAT forward computes with.
 
-    codes, scales = quantize(w.detach().transpose(-1, -2), "mxfp4")
+    ``like = (packed, scales)`` of the same shapes (an imported checkpoint's): every block of 32 whose values are
+    still exactly what those bytes decode to keeps those bytes -- scale and codes -- so an unchanged weight is
+    written back bit for bit even where its source chose another (valid) scale than the OCP rule would; changed
+    blocks are quantized afresh (the OCP rule, :func:`k3train.quant.mx.quantize`)."""
+    from k3train.quant.mx import BLOCK, pack_e2m1, quantize, unpack_e2m1
+
+    wt = w.detach().transpose(-1, -2)
+    codes, scales = quantize(wt, "mxfp4")
+    if like is not None:
+        old_packed, old_scales = like
+        old = expert_weight_from_mxfp4(old_packed, old_scales, torch.float32).transpose(-1, -2)  # [E, out, in]
+        same = (old.reshape(*old.shape[:-1], -1, BLOCK) == wt.float().reshape(old.shape[:-1] + (-1, BLOCK))).all(-1)
+        scales = torch.where(same, old_scales, scales)
+        keep = same.repeat_interleave(BLOCK, dim=-1)
+        codes = torch.where(keep, unpack_e2m1(old_packed), codes)
     return pack_e2m1(codes), scales
 
 

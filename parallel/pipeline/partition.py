@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from k3train.config import ConfigError
+from k3train.model.flops import kda_gate_params, moe_latent_params
 from parallel.pipeline.placement import Placement
 
 
@@ -28,7 +29,7 @@ def _mixer_flops(m: Any, kind: str, seq_len: int) -> float:
     if kind == "kda":
         H, K, r = m.kda_num_heads, m.kda_head_dim, m.kda_decay_rank
         hk = H * K
-        proj = 3 * d * hk + d * H + d * r + r * hk + d * hk + hk * d  # q,k,v; beta; decay; gate; out
+        proj = 3 * d * hk + d * H + d * r + r * hk + kda_gate_params(m) + hk * d  # q,k,v; beta; decay; gate; out
         C = min(m.kda_chunk_size, seq_len)
         core = H * (C * 3 * K + 3 * K * K)  # intra-chunk (qk^T, kk^T, Av) + inter-chunk state work, per token
         return 2.0 * (proj + core)
@@ -46,10 +47,9 @@ def _ffn_flops(m: Any, moe: bool) -> float:
     d = m.hidden_size
     if not moe:
         return 2.0 * 3 * d * m.intermediate_size
-    lat = m.routed_expert_hidden_size
-    routed = m.num_experts_per_token * 3 * lat * m.moe_intermediate_size
+    routed = m.num_experts_per_token * 3 * m.expert_hidden_size * m.moe_intermediate_size
     shared = m.num_shared_experts * 3 * d * m.shared_expert_intermediate_size
-    return 2.0 * (d * m.num_experts + 2 * d * lat + routed + shared)
+    return 2.0 * (d * m.num_experts + moe_latent_params(m) + routed + shared)
 
 
 def layer_cost(m: Any, i: int, seq_len: int) -> float:

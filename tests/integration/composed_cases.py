@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from k3train.config import Config, load_config
+from model_variants import VARIANTS
 from shipped_data import shipped_view
 from k3train.data.batch import Batch
 from k3train.data.corpus import DEFAULT_CORPUS, read_documents
@@ -42,13 +43,13 @@ class Layout:
     cp: int = 1
     ep: int = 1
     moonep: bool = True
-    residual: str = "attnres"  # model.residual (the reference is built with the same)
+    variant: str = "k3"  # a key of VARIANTS (the reference is built with the same)
     seq_len: int = SEQ_LEN
     gbs: int = GBS
     extra: tuple[str, ...] = ()  # further overrides (recompute, chunk sizes); the reference runs without them
 
     def overrides(self) -> list[str]:
-        return [f"--model.residual={self.residual}",
+        return [*VARIANTS[self.variant],
                 f"--parallel.pp={self.pp}", f"--parallel.vpp={self.vpp}", f"--parallel.cp={self.cp}",
                 f"--parallel.ep={self.ep}", f"--parallel.moonep={str(self.moonep).lower()}",
                 f"--train.seq_len={self.seq_len}", f"--train.global_batch_size={self.gbs}",
@@ -57,13 +58,13 @@ class Layout:
                 f"--data.path={shipped_view('corpus_text_document')}", *self.extra]
 
 
-def make_cfg(layout: Layout | None = None, residual: str = "attnres", seq_len: int = SEQ_LEN,
+def make_cfg(layout: Layout | None = None, variant: str = "k3", seq_len: int = SEQ_LEN,
              gbs: int = GBS, extra: tuple[str, ...] = ()) -> Config:
     """configs/tiny.yaml (8 layers: KDA x3, MLA, KDA x3, MLA; dense first layer, 7 LatentMoE; MTP) for ``layout``
-    (``None``: the single-process reference with ``model.residual = residual`` on ``gbs`` rows of ``seq_len``,
-    ``extra`` overrides)."""
+    (``None``: the single-process reference of model variant ``variant`` on ``gbs`` rows of ``seq_len``, ``extra``
+    overrides)."""
     over = (layout.overrides() if layout is not None
-            else Layout("ref", residual=residual, seq_len=seq_len, gbs=gbs, extra=extra).overrides())
+            else Layout("ref", variant=variant, seq_len=seq_len, gbs=gbs, extra=extra).overrides())
     return load_config(ROOT / "configs" / "tiny.yaml", over, world_size=WORLD if layout is not None else 1)
 
 

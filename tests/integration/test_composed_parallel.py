@@ -43,7 +43,11 @@ LAYOUTS = [
     # dp = 2 x cp = 2 x ep = 2: each EP group is one CP pair, the EDP group joins the two data-parallel replicas
     Layout("dp2_cp2_ep2_moonep", cp=2, ep=2, moonep=True),
     # the standard PreNorm residual (model.residual ablation) through PP x KCP x MoonEP at once
-    Layout("standard_pp2_vpp2_cp2_ep2_moonep", pp=2, vpp=2, cp=2, ep=2, moonep=True, residual="standard"),
+    Layout("standard_pp2_vpp2_cp2_ep2_moonep", pp=2, vpp=2, cp=2, ep=2, moonep=True, variant="standard"),
+    # the Kimi Linear variants (k3train/hf: SwiGLU, no latent MoE, grouped top-k, low-rank KDA gate, MLA without
+    # q_lora / output gate, softplus decay, standard residual) through PP x KCP x MoonEP and DP x KCP x MoonEP
+    Layout("kimi_linear_pp2_vpp2_cp2_ep2_moonep", pp=2, vpp=2, cp=2, ep=2, moonep=True, variant="kimi_linear"),
+    Layout("kimi_linear_dp2_cp2_ep2_moonep", cp=2, ep=2, moonep=True, variant="kimi_linear"),
 ]
 
 
@@ -164,7 +168,7 @@ def _body(rank: int, world: int, layouts: list[Layout], full, refs: dict[str, Re
     torch.set_num_threads(1)
     for layout in layouts:
         try:
-            _check_layout(rank, layout, full, refs[layout.residual])
+            _check_layout(rank, layout, full, refs[layout.variant])
         except Exception as e:
             raise AssertionError(f"layout {layout.name}: {e}") from e
 
@@ -174,11 +178,12 @@ def data_and_ref():
     full = kjv_global_batch()
     assert crosses_cp_boundary(full, 2), "the batch must have documents crossing the CP boundary"
     assert int(full.doc_ids.max()) >= 1 and bool((full.tokens == 1).any()), "several documents per row"
-    return full, {res: reference(make_cfg(residual=res), full) for res in {lay.residual for lay in LAYOUTS}}
+    return full, {v: reference(make_cfg(variant=v), full) for v in {lay.variant for lay in LAYOUTS}}
 
 
 def test_composed_layouts_match_single_process(data_and_ref) -> None:
     """pp2 x vpp2 x cp2; pp2 x dp2 x ep2 (MoonEP, vpp2) and (static EP, vpp1); dp2 x cp2 x ep2 (MoonEP); and
-    pp2 x vpp2 x cp2 x ep2 (MoonEP) with the standard residual."""
+    pp2 x vpp2 x cp2 x ep2 (MoonEP) with the standard residual; the Kimi Linear model variants in pp2 x vpp2 x cp2
+    x ep2 and dp2 x cp2 x ep2 (MoonEP)."""
     full, refs = data_and_ref
     run_distributed(_body, WORLD, LAYOUTS, full, refs)

@@ -33,4 +33,4 @@ def test_long_document_layouts_match_single_process() -> None:
     full = kjv_single_document(SEQ)
     assert int(full.doc_ids.max()) == 0  # one document over the whole row: every CP rank's MLA keys reach back
     ref = reference(make_cfg(seq_len=SEQ, gbs=1, extra=DEPTH), full)
-    run_distributed(_body, 4, LAYOUTS, full, {"attnres": ref}, timeout=600)
+    run_distributed(_body, 4, LAYOUTS, full, {"k3": ref}, timeout=600)

@@ -56,8 +56,10 @@ def _matmul_params_from_modules(model, cfg, include_mtp):
 
 
 def test_flops_formula_matches_modules():
+    kimi_linear = ("q_lora_rank=null", "use_full_rank_gate=false", "routed_expert_hidden_size=null",
+                   "latent_moe_use_norm=false", "hidden_act=silu", "num_expert_group=2")
     for cfg in (tiny_cfg(), tiny_cfg("q_lora_rank=0", "mla_use_output_gate=false", "first_k_dense_replace=2"),
-                load_config("configs/k3.yaml").model):
+                tiny_cfg(*kimi_linear), load_config("configs/k3.yaml").model):
         with torch.device("meta"):
             model = K3Model(cfg)
         for mtp in (False, True):

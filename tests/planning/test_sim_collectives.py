@@ -44,3 +44,41 @@ def test_a_failing_thread_rank_raises_instead_of_hanging():
             assert "rank 1 refuses" in str(e)
         else:
             raise AssertionError("no error")
+
+
+def test_point_to_point_on_a_simulated_group_is_local_and_logged():
+    """MoonEP's replica transfers (P2POp batches, isend / irecv) on a SimGroup: sends do nothing, receives are
+    zero-filled, every call is logged with the larger of its sent and received bytes (what the planner charges); the real
+    P2POp / batch_isend_irecv are back afterwards."""
+    g = SimGroup(4, 0, "ep")
+    log: list[tuple[int, int]] = []
+    orig = (dist.P2POp, dist.batch_isend_irecv, dist.irecv)
+    with simulated_collectives(log):
+        recv = torch.full((3, 5), 7.0)
+        ops = [dist.P2POp(dist.isend, torch.ones(2), 1, group=g, tag=3),
+               dist.P2POp(dist.irecv, recv, 2, group=g, tag=4)]
+        works = dist.batch_isend_irecv(ops)
+        assert len(works) == 2 and all(w.wait() for w in works)
+        single = torch.ones(4, dtype=torch.float64)
+        dist.irecv(single, 3, group=g).wait()
+        dist.isend(torch.ones(6), 1, group=g).wait()
+    assert torch.equal(recv, torch.zeros(3, 5)) and torch.equal(single, torch.zeros(4, dtype=torch.float64))
+    assert log == [(1, 60), (1, 32), (1, 24)]
+    assert (dist.P2POp, dist.batch_isend_irecv, dist.irecv) == orig
+
+
+def test_moonep_layers_are_timed_through_moonep_and_count_their_p2p():
+    """The planner's CPU calibration runs MoonEP layouts through MoonEP's own dispatcher (its host work is in the
+    layer times) and records the point-to-point calls it issued per micro-batch; plain EP issues none."""
+    from k3train.config import load_config
+    from k3train.planning.layer_bench import bench_layers
+
+    cfg = load_config("configs/tiny.yaml", ["--model.num_hidden_layers=2", "--model.num_nextn_predict_layers=0"])
+    moon = bench_layers(cfg, 1, 32, 4, 1, moonep=True)
+    plain = bench_layers(cfg, 1, 32, 4, 1, moonep=False)
+    assert "p2p_layers" not in plain
+    assert len(moon["p2p_layers"]) == 2
+    dense, moe = moon["p2p_layers"]  # layer 0 is the dense first layer (first_k_dense_replace: 1)
+    assert dense == [0, 0, 0, 0]
+    f_calls, f_bytes, b_calls, b_bytes = moe
+    assert f_calls >= 1 and f_bytes > 0 and b_calls >= f_calls and b_bytes > 0  # fetch; refetch + reduce-back
