@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import packed_batch, tiny_cfg
+from model_variants import VARIANTS
 
 from k3train.model.model import K3Model
 from k3train.model.seq import SeqInfo
@@ -38,9 +39,14 @@ def _run(unit, *over, dtype=F64, batch=None):
     ("sublayer", ("mixer_head_chunk=3",)),                       # chunks of 3 + 1 heads; MoE whole: one region
     ("layer", ("mixer_head_chunk=2", "moe_token_chunk=64")),     # chunks without recomputation inside a layer
     (None, ("mixer_head_chunk=1", "moe_token_chunk=40")),
+    # the published Kimi Linear variant (tests/model_variants.py): each KDA head chunk reads its rows of the low-rank
+    # output gate; MLA without query compression or output gate; MoE without the latent projection
+    ("sublayer", ("mixer_head_chunk=3", "moe_token_chunk=40", *(v.removeprefix("--model.")
+                                                                  for v in VARIANTS["kimi_linear"]))),
 ])
 def test_chunked_and_recomputed_equal_plain_fp64(unit, over):
-    loss_ref, g_ref, loads_ref, qk_ref = _run(None)
+    variant = tuple(o for o in over if not o.startswith(("mixer_head_chunk=", "moe_token_chunk=")))
+    loss_ref, g_ref, loads_ref, qk_ref = _run(None, *variant)
     loss, g, loads, qk = _run(unit, *over)
     torch.testing.assert_close(loss, loss_ref, atol=1e-12, rtol=0)
     assert set(g) == set(g_ref)
