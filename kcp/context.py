@@ -1,8 +1,8 @@
 """``KCPContext``: the per-micro-batch context-parallel object the model layers call through ``seq.cp``.
 
 The model stays free of ``torch.distributed``: a KDA layer calls ``seq.cp.conv_halo`` and ``seq.cp.kda``, an MLA
-layer calls ``seq.cp.gather_latent``, ``seq.cp.mla_queries`` and ``seq.cp.mla_outputs``; all communication happens here, over the CP group of a
-:class:`parallel.dims.ParallelDims` (``dims.group('cp')``).
+layer calls ``seq.cp.gather_latent``, ``seq.cp.mla_queries`` and ``seq.cp.mla_outputs``; all communication
+happens here, over the CP group of a :class:`parallel.dims.ParallelDims` (``dims.group('cp')``).
 
 Construction is collective over the CP group (every CP rank must build the context for the same micro-batch):
 one tiny all-gather of the local shape, then one all-gather of each rank's segment edge summary (``[B, 5]``

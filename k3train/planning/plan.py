@@ -4,7 +4,8 @@ Order of work (cheapest first, every skip exact):
 
 1. :func:`k3train.planning.layouts.enumerate_layouts` -- every layout the run validation accepts.
 2. Static memory bound (:func:`step_time.static_memory_lower_bound`: weights + gradients + optimizer state, or
-   weights + optimizer state + one hidden state per layer of the stage)
+   weights + optimizer state + the hidden-state partial sums of each forward the schedule runs before a rank's
+   first backward)
    above the device memory: infeasible, no trace (``fits: false, skipped: 'bound'``).
 3. Step-time lower bound (:func:`step_time.compute_lower_bound`) for the rest; layouts are taken in its order and
    simulated (:func:`step_time.predict`) -- branch and bound: once ``top`` layouts that FIT are known, a layout
@@ -34,7 +35,7 @@ from k3train.planning.devices import Device
 from k3train.planning.layouts import Layout, Validator, enumerate_layouts
 from k3train.planning.memory import TraceDeadline
 from k3train.planning.step_time import (ParamFacts, Prediction, compute_lower_bound, predict, single_program,
-                                        static_memory_lower_bound)
+                                        static_memory_lower_bound, forwards_before_first_backward)
 
 
 class EstimateCache:
@@ -169,24 +170,29 @@ class Planner:
         notes: list[str] = []
         t1 = time.perf_counter()
         # 2. static memory bound
-        bound_memo: dict[tuple, int] = {}  # the bound reads the partition, dp*cp, ep, zero, moonep, tokens only
+        bound_memo: dict[tuple, int] = {}  # the bound reads the partition, dp*cp, ep, zero, moonep, tokens, schedule
+        flight_memo: dict[tuple, list[list[int]]] = {}
         for r in rows:
             part = val.partition(r.cfg)
             L = r.layout
             tokens = L.mbs * r.cfg.train.seq_len // L.cp
-            chunk_rc = L.recompute and r.cfg.parallel.recompute_granularity == "chunk"
-            kb = (id(part), L.pp, L.dp * L.cp, L.ep, L.zero, L.moonep, tokens, chunk_rc)
+            rc = r.cfg.parallel.recompute_granularity if L.recompute else None
+            n_mb = r.cfg.train.global_batch_size // (L.dp * L.mbs)
+            kb = (id(part), L.pp, L.dp * L.cp, L.ep, L.zero, L.moonep, tokens, rc, L.schedule, n_mb)
             if kb not in bound_memo:
+                sk = (L.schedule, L.pp, L.vpp, n_mb)
+                if sk not in flight_memo:
+                    flight_memo[sk] = forwards_before_first_backward(*sk)
                 bound_memo[kb] = static_memory_lower_bound(facts, r.cfg, part, L.pp, L.dp * L.cp, L.ep, L.zero,
-                                                           L.moonep, tokens, chunk_rc)
+                                                           L.moonep, tokens, rc, flight_memo[sk])
             r.mem_bound = bound_memo[kb]
             if r.mem_bound > self.dev.hbm_bytes:
                 r.fits, r.skipped = False, "bound"
         n_bound = sum(r.skipped == "bound" for r in rows)
         if n_bound:
             notes.append(f"{n_bound} layouts exceed {self.dev.hbm_bytes / 2**30:.1f} GiB on weights + gradients + "
-                         f"optimizer state, or weights + optimizer state + one hidden state per layer of the stage, "
-                         f"alone: dropped without a trace")
+                         f"optimizer state, or weights + optimizer state + the partial sums of each forward before "
+                         f"the first backward, alone: dropped without a trace")
         live = [r for r in rows if not r.skipped]
         for r in live:
             r.lower_bound_s = compute_lower_bound(r.cfg, r.layout, val.partition(r.cfg), self.dev, facts, self.lt,

@@ -144,8 +144,26 @@ class ParamFacts:
         return d, e, big
 
 
+def forwards_before_first_backward(schedule: str, pp: int, vpp: int, num_microbatches: int) -> list[list[int]]:
+    """Per pipeline rank, the local chunks of the forwards it runs before its first backward, then that backward's
+    chunk last: the prefix of :func:`parallel.pipeline.schedules.build_schedule`'s action list up to the first
+    backward (``schedule`` 'none': one rank, one forward). Only that prefix is built (the planner asks for
+    thousands of (pp, vpp, micro-batches))."""
+    from parallel.pipeline.schedules import interleaved_prefix
+
+    M = num_microbatches
+    if pp == 1 or schedule == "none":
+        return [[0, 0]]
+    if schedule == "afab":
+        return [[c for c in range(vpp) for _ in range(M)] + [vpp - 1]] * pp
+    if schedule == "1f1b":
+        return [[0] * min(pp - r, M) + [0] for r in range(pp)]
+    return [interleaved_prefix(pp, vpp, r, M) for r in range(pp)]
+
+
 def static_memory_lower_bound(facts: ParamFacts, cfg: Any, part: Any, pp: int, dpcp: int, ep: int,
-                              zero: int, moonep: bool = False, tokens: int = 0, chunk_recompute: bool = False) -> int:
+                              zero: int, moonep: bool = False, tokens: int = 0, recompute: str | None = None,
+                              in_flight: list[list[int]] | None = None) -> int:
     """A lower bound on the worst rank's peak from parameters, gradients and optimizer state alone (the memory
     estimator's byte rules: parameter-dtype weights and gradients, fp32 master copies of non-fp32 weights, Muon 1
     / AdamW 2 fp32 states -- counted as Muon for all, a lower bound; owners' shares at least the mean). At ZeRO-2
@@ -153,13 +171,16 @@ def static_memory_lower_bound(facts: ParamFacts, cfg: Any, part: Any, pp: int, d
     largest local chunk's full gradients are counted on top of the shards. With MoonEP, the replica pool's two
     banks of one MoE layer's local experts (``E / ep`` of them) are always allocated.
 
-    ``tokens`` (a micro-batch's tokens on a rank, ``micro_batch_size x seq_len / cp``): each layer's output -- a new
-    ``[tokens, d]`` partial sum, a source of the later layers' AttnRes aggregations -- lives from its forward to
-    its backward: at a rank's first backward the first micro-batch has run the forward of every local chunk, so all
-    the stage's layers' outputs are alive (unless ``chunk_recompute``, whole chunks recomputed: then only the
-    recomputed chunk's, in its backward). With the weights and optimizer state (no gradients: those of the chunk
-    may still be forming) that is a bound too, and at long context the one that rules layouts out (a 1M row over
-    few pipeline stages)."""
+    ``tokens`` (a micro-batch's tokens on a rank, ``micro_batch_size x seq_len / cp``): every sublayer (token mixer,
+    FFN) makes a new ``[tokens, d]`` partial sum -- a source of the later layers' AttnRes aggregations, or the
+    standard residual stream -- that lives from its forward to its backward, recomputation or not
+    (tests/model/test_chunked_recompute.py: ``sublayer`` keeps about one hidden state per sublayer); under
+    ``recompute`` = ``layer`` only each layer's output stays (the mixer's partial sum is remade in the backward),
+    under ``chunk`` only the chunk's input, and the recomputed chunk's sublayers in its backward. ``in_flight``
+    (:func:`forwards_before_first_backward`): the forwards the schedule runs before a rank's first backward each
+    keep theirs; without it one forward of every local chunk. With the weights and optimizer state (no gradients:
+    those of the chunk may still be forming) that is a bound too, and at long context the one that rules layouts
+    out (a 1M row over few pipeline stages, or many micro-batches in flight)."""
     es = 2 if cfg.train.dtype == "bfloat16" else 4
     master = 4 if es != 4 else 0
     edp = max(1, dpcp // ep)
@@ -179,8 +200,12 @@ def static_memory_lower_bound(facts: ParamFacts, cfg: Any, part: Any, pp: int, d
         if zero >= 1:
             opt = (d / dpcp + e / edp) * (4 + master)
         spans = [e_ - s_ for s_, e_ in part.local_chunks(r)]
-        layers = max(spans, default=0) if chunk_recompute else sum(spans)
-        act = layers * tokens * cfg.model.hidden_size * es
+        *fwd, first_b = in_flight[r] if in_flight is not None else [*range(len(spans)), len(spans) - 1]
+        if recompute == "chunk":
+            hidden = len(fwd) - 1 + 2 * spans[first_b]
+        else:
+            hidden = (1 if recompute == "layer" else 2) * sum(spans[c] for c in fwd)
+        act = hidden * tokens * cfg.model.hidden_size * es
         best = max(best, n * es + grads + opt + pool, n * es + opt + pool + act)
     return int(best)
 
