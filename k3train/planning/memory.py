@@ -473,12 +473,13 @@ class TraceDeadline(Exception):
 
 
 class TraceTooBig(Exception):
-    """Raised by a composed trace once one micro-batch of one chunk alone holds more than ``EstimateCache.limit``
-    bytes (the planner's device memory): the layout cannot fit whatever the rest adds, and the pieces not traced
-    yet (minutes at long context without recomputation) are not needed. ``nbytes``: that lower bound."""
+    """Raised by a composed trace once one chunk alone -- one micro-batch's peak, or the saved bytes of its
+    micro-batches in flight at the rank's first backward -- holds more than ``EstimateCache.limit`` bytes (the
+    planner's device memory): the layout cannot fit whatever the rest adds, and the pieces not traced yet (minutes
+    at long context without recomputation) are not needed. ``nbytes``: that lower bound."""
 
     def __init__(self, nbytes: int) -> None:
-        super().__init__(f"one micro-batch of a chunk holds at least {nbytes} bytes")
+        super().__init__(f"one chunk's micro-batches hold at least {nbytes} bytes")
         self.nbytes = nbytes
 
 
@@ -581,7 +582,7 @@ def trace_chunk(cfg: Config, model: nn.Module, part: Any, plan: Any, v: int, chu
                 fake: FakeTensorMode, cache: dict | None = None, batch_hi: Any = None,
                 cp_rank: int = 0, rows: tuple[Any, Any] = (None, None),
                 media: MediaCase | None = None, deadline: float | None = None,
-                limit: float | None = None) -> ChunkTrace:
+                limit: float | None = None, in_flight: int = 1) -> ChunkTrace:
     """Virtual stage ``v`` on one micro-batch of CP rank ``cp_rank`` (see :func:`trace_range`; composed per layer
     above ``TRACE_BUDGET``, ``cache`` holding the per-signature fits).
 
@@ -589,7 +590,9 @@ def trace_chunk(cfg: Config, model: nn.Module, part: Any, plan: Any, v: int, chu
     and extended to rank r affinely in the MLA key segments of the rank (:func:`mla_key_segments`: every key-side
     byte -- the latent keys, their doc ids, the latent gradient -- grows linearly with them; the KCP pairs are the
     whole group's on every rank). ``deadline``: :class:`TraceDeadline` before any trace that starts after it;
-    ``limit``: :class:`TraceTooBig` as soon as the pieces composed so far exceed it (composed traces only)."""
+    ``limit``: :class:`TraceTooBig` as soon as the pieces composed so far exceed it, or their saved bytes times
+    ``in_flight`` (the forwards of this chunk the schedule runs before the rank's first backward, each holding
+    as much) do (composed traces only)."""
     from k3train.model.model import CE_CHUNK_TOKENS
     from parallel.pipeline.stage import recompute_unit
 
@@ -667,9 +670,10 @@ def trace_chunk(cfg: Config, model: nn.Module, part: Any, plan: Any, v: int, chu
         def add(p: tuple[int, int, int]) -> None:
             pieces.append(p)
             if limit is not None:
-                _, f_so_far, b_so_far = _compose(pieces)
-                if max(f_so_far, b_so_far) > limit:
-                    raise TraceTooBig(max(f_so_far, b_so_far))
+                saved_so_far, f_so_far, b_so_far = _compose(pieces)
+                held = max(f_so_far, b_so_far, in_flight * saved_so_far)
+                if held > limit:
+                    raise TraceTooBig(held)
 
         if first:
             add(piece(("embed",), 0, 0, True, False))
@@ -868,6 +872,10 @@ def estimate(cfg: Config, world_size: int, cache: Any = None, media: MediaCase |
     M = cfg.train.grad_accum_steps
     B, T = cfg.train.micro_batch_size, cfg.train.seq_len // C
     plan = AttnResCommPlan(part, pc.attnres_comm) if P > 1 else None
+    from k3train.planning.step_time import forwards_before_first_backward
+
+    in_flight = forwards_before_first_backward(resolve_schedule(pc.schedule, P, part.vpp) if P > 1 else "none", P,
+                                               part.vpp, M)
     if P > 1:
         from parallel.pipeline.p2p import build_programs
 
@@ -937,11 +945,13 @@ def estimate(cfg: Config, world_size: int, cache: Any = None, media: MediaCase |
                              f"of the MoE and the LM-head cross-entropy), fitted and composed for {B * T} tokens "
                              "(one document per row; MLA on short documents)")
         traces_cp: dict[int, dict[int, ChunkTrace]] = {}
+        *fwd, _ = in_flight[pp_rank]
         for cr in range(C):
             batch, batch_hi, row, row_hi = cp_batches[cr]
             traces_cp[cr] = {c: trace_chunk(cfg, full, part, plan, part.stage(pp_rank, c) if P > 1 else 0, c,
                                             batch, fake, piece_cache, batch_hi, cr, (row, row_hi), media,
-                                            getattr(cache, "deadline", None), getattr(cache, "limit", None))
+                                            getattr(cache, "deadline", None), getattr(cache, "limit", None),
+                                            max(1, fwd.count(c)))
                              for c in range(len(local_chunks))}
         traces = traces_cp[0]
         params = _nbytes(list(model.parameters())) + _nbytes(list(model.buffers()))

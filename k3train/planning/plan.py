@@ -50,7 +50,7 @@ class EstimateCache:
         self.results: dict[Layout, Any] = {}  # layout -> Estimate (a re-plan for another device traces nothing)
         self._full: dict[tuple, Any] = {}
         self.deadline: float | None = None  # estimate raises memory.TraceDeadline once time.perf_counter() passes it
-        self.limit: float | None = None  # ... and memory.TraceTooBig once one chunk's micro-batch holds more bytes
+        self.limit: float | None = None  # ... and memory.TraceTooBig once one chunk's micro-batches hold more
 
     def full_model(self, cfg: Any, ep: int, fake: Any) -> Any:
         from k3train.planning.memory import build_full
