@@ -944,17 +944,21 @@ def estimate(cfg: Config, world_size: int, cache: Any = None, media: MediaCase |
                 batch_src = (f"per-{unit} traces (trace_chunk: 3 token counts each, in the token-chunked regime "
                              f"of the MoE and the LM-head cross-entropy), fitted and composed for {B * T} tokens "
                              "(one document per row; MLA on short documents)")
+        params = _nbytes(list(model.parameters())) + _nbytes(list(model.buffers()))
         traces_cp: dict[int, dict[int, ChunkTrace]] = {}
         *fwd, _ = in_flight[pp_rank]
-        for cr in range(C):
-            batch, batch_hi, row, row_hi = cp_batches[cr]
-            traces_cp[cr] = {c: trace_chunk(cfg, full, part, plan, part.stage(pp_rank, c) if P > 1 else 0, c,
-                                            batch, fake, piece_cache, batch_hi, cr, (row, row_hi), media,
-                                            getattr(cache, "deadline", None), getattr(cache, "limit", None),
-                                            max(1, fwd.count(c)))
-                             for c in range(len(local_chunks))}
+        limit = getattr(cache, "limit", None)  # the device's bytes: what the stage's weights leave to one chunk
+        try:
+            for cr in range(C):
+                batch, batch_hi, row, row_hi = cp_batches[cr]
+                traces_cp[cr] = {c: trace_chunk(cfg, full, part, plan, part.stage(pp_rank, c) if P > 1 else 0, c,
+                                                batch, fake, piece_cache, batch_hi, cr, (row, row_hi), media,
+                                                getattr(cache, "deadline", None),
+                                                None if limit is None else limit - params, max(1, fwd.count(c)))
+                                 for c in range(len(local_chunks))}
+        except TraceTooBig as e:  # the rank holds its weights too
+            raise TraceTooBig(e.nbytes + params) from None
         traces = traces_cp[0]
-        params = _nbytes(list(model.parameters())) + _nbytes(list(model.buffers()))
         ep_persist, replica, n_moe = ep_buffers(cfg, model, E, B, T)
         moe_per_chunk = {c: sum(1 for i in range(*local_chunks[c]) if _layer_is_moe(cfg, i))
                          for c in range(len(local_chunks))}

@@ -346,7 +346,7 @@ class Planner:
         from k3train.planning.memory import TraceTooBig, estimate
 
         if r.layout not in self.cache.results:
-            self.cache.limit = self.dev.hbm_bytes  # a chunk's one micro-batch over it: too big, no further traces
+            self.cache.limit = self.dev.hbm_bytes  # a chunk (+ the weights) over it: too big, no further traces
             try:
                 self.cache.results[r.layout] = estimate(r.cfg, self.world, self.cache)
             except TraceTooBig as e:
