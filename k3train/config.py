@@ -38,6 +38,7 @@ class ConfigError(ValueError):
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 HIDDEN_ACTS = ("situ", "silu")  # model.hidden_act: the gate activation of every FFN (k3train/model/ffn.py: glu)
 WANDB_MODES = ("online", "offline", "disabled")
+RECOMPUTE_GRANULARITIES = ("chunk", "layer", "sublayer")  # parallel.recompute_granularity
 SPLIT_NAMES = ("train", "valid", "test")
 
 
@@ -78,6 +79,10 @@ class ModelConfig:
     # query/key block of the blockwise MLA attention (k3train/ops/mla_blockwise.py): the per-block transient is
     # ~H x block^2 fp32 scores; blocks the causal + document mask empties are skipped
     mla_block_size: int = 512
+    # heads per chunk of the KDA and Gated MLA token mixers (0: all heads at once). The heads of a chunk run up to
+    # their share of the output projection (summed in fp32 over the chunks); under parallel.recompute_granularity
+    # = sublayer each chunk is recomputed on its own, so one chunk's activations live at a time (long context)
+    mixer_head_chunk: int = 0
     # KDA (Kimi Delta Attention)
     kda_num_heads: int = 96
     kda_head_dim: int = 128
@@ -106,6 +111,10 @@ class ModelConfig:
     num_shared_experts: int = 2
     shared_expert_intermediate_size: int = 3072  # per shared expert (not published; chosen to match 2.78T/104.2B)
     latent_moe_use_norm: bool = True
+    # tokens per chunk of a LatentMoE layer (routing, dispatch / experts / combine, shared experts): the EP token
+    # buffers and the dispatch transients hold one chunk; under parallel.recompute_granularity = sublayer each chunk
+    # is recomputed on its own
+    moe_token_chunk: int = 4096
     moe_router_activation_func: str = "sigmoid"
     moe_renormalize: bool = True  # HF norm_topk_prob: mixing weights of the k routes divided by their sum
     routed_scaling_factor: float = 1.0
@@ -171,7 +180,15 @@ class ParallelConfig:
     attnres_comm: str = "cached"  # "cached" | "full"
     schedule: str = "auto"  # "auto" (interleaved 1F1B if vpp > 1 else 1F1B) | "1f1b" | "interleaved" | "afab"
     pp_layers: list[int] = field(default_factory=list)  # explicit layers per virtual stage (pp*vpp entries)
-    recompute: bool = False  # full activation recomputation per stage
+    recompute: bool = False  # full activation recomputation (what is kept: recompute_granularity)
+    # the unit recomputed at once in a backward: "chunk" (a whole virtual stage: only its input is kept, all its
+    # layers' activations live together in its backward) | "layer" (each layer's input kept) | "sublayer" (the
+    # input of each token mixer and FFN kept; the mixers' head chunks and the MoE token chunks recomputed one at a
+    # time: what a 64K-token CP slice of K3 needs, README "Long context")
+    recompute_granularity: str = "chunk"
+    # context parallel: MLA queries balanced over the CP ranks by half-segment swaps between rank pairs (kcp/mla_cp.py;
+    # false: every rank attends its own segment's queries, the last rank doing cp - 1/2 of a mean cp/2)
+    mla_cp_balance: bool = True
     # vision at pp > 1: where the first stage runs the encoder's forward / backward (parallel/pipeline/schedules.py):
     # "bubbles" (own actions in the pipeline's idle time) | "before" (all before / after the pipeline) | "inline"
     encoder_schedule: str = "bubbles"
@@ -431,6 +448,10 @@ class Config:
         need(m.mla_use_nope, "model.mla_use_nope", "false (rotary MLA) is not implemented; K3 uses NoPE")
         need(isinstance(m.mla_block_size, int) and m.mla_block_size > 0, "model.mla_block_size",
              f"must be a positive integer (the blockwise MLA attention's block), got {m.mla_block_size!r}")
+        need(isinstance(m.moe_token_chunk, int) and m.moe_token_chunk > 0, "model.moe_token_chunk",
+             f"must be a positive integer (tokens per LatentMoE chunk), got {m.moe_token_chunk!r}")
+        need(isinstance(m.mixer_head_chunk, int) and m.mixer_head_chunk >= 0, "model.mixer_head_chunk",
+             f"must be >= 0 (heads per token-mixer chunk; 0 = all heads), got {m.mixer_head_chunk!r}")
         need(not m.tie_word_embeddings, "model.tie_word_embeddings", "true is not supported (K3 unties them)")
         need(m.attn_res_block_size >= 1, "model.attn_res_block_size", "must be >= 1")
         # residual stream (Block AttnRes or the standard PreNorm ablation)
@@ -476,6 +497,8 @@ class Config:
         need(p.encoder_schedule in ("bubbles", "before", "inline"), "parallel.encoder_schedule",
              f"must be 'bubbles', 'before' or 'inline', got {p.encoder_schedule!r}")
         need(p.zero in (0, 1, 2), "parallel.zero", f"must be 0, 1 or 2, got {p.zero}")
+        need(p.recompute_granularity in RECOMPUTE_GRANULARITIES, "parallel.recompute_granularity",
+             f"must be one of {', '.join(RECOMPUTE_GRANULARITIES)}, got {p.recompute_granularity!r}")
         need(p.backend in ("auto", "nccl", "gloo"), "parallel.backend", "must be 'auto', 'nccl' or 'gloo'")
         n_chunks = p.pp * p.vpp
         if p.pp_layers:

@@ -57,8 +57,11 @@ def seq_builder(cfg: Config, cp: int, group: Any) -> Callable[[Any], SeqInfo]:
 
     kda_fn = layer_kda_op(cfg.model)  # the layer's op (chunking, gate bound), exactly
 
+    balance = cfg.parallel.mla_cp_balance
+
     def build(b: Any) -> SeqInfo:
-        return SeqInfo.from_doc_ids(b.doc_ids, b.positions, cp=KCPContext.from_batch(b, group, kda_fn=kda_fn))
+        return SeqInfo.from_doc_ids(b.doc_ids, b.positions,
+                                    cp=KCPContext.from_batch(b, group, kda_fn=kda_fn, mla_balance=balance))
 
     return build
 

@@ -1,8 +1,8 @@
 """``KCPContext``: the per-micro-batch context-parallel object the model layers call through ``seq.cp``.
 
 The model stays free of ``torch.distributed``: a KDA layer calls ``seq.cp.conv_halo`` and ``seq.cp.kda``, an MLA
-layer calls ``seq.cp.gather_latent``; all communication happens here, over the CP group of a
-:class:`parallel.dims.ParallelDims` (``dims.group('cp')``).
+layer calls ``seq.cp.gather_latent``, ``seq.cp.mla_queries`` and ``seq.cp.mla_outputs``; all communication
+happens here, over the CP group of a :class:`parallel.dims.ParallelDims` (``dims.group('cp')``).
 
 Construction is collective over the CP group (every CP rank must build the context for the same micro-batch):
 one tiny all-gather of the local shape, then one all-gather of each rank's segment edge summary (``[B, 5]``
@@ -10,7 +10,8 @@ int64: first / last doc id, last document start, first position, a well-formed f
 every token's doc id and position. From those, every rank knows what it needs of every segment's document
 layout: the fold plans, the halo's previous doc ids and the MLA key doc ids / positions need no further
 communication (earlier segments' doc ids are exact for the document this segment opens with, the only one that
-reaches back across the boundary, and -1 elsewhere).
+reaches back across the boundary, and -1 elsewhere). With the MLA causal balance (``mla_balance``, the default;
+:mod:`kcp.mla_cp`) one more exchange: this rank's ``[B, T]`` doc ids with its balance partner's.
 
 Hang safety: every collective below runs on every CP rank at the same point of the layer, whatever the local
 data; the exchanges' backward collectives are tied into the op outputs (:func:`kcp.comm.tie`), and the halo of a
@@ -30,7 +31,8 @@ from kcp.edges import SegmentEdges, local_edges
 from kcp.fold import FoldPlan, plan_fold
 from kcp.halo import conv_halo, halo_doc_ids
 from kcp.kda_cp import kcp_chunk_kda
-from kcp.mla_cp import gather_latent_prefix
+from kcp.mla_cp import (balance_partner, balanced_key_doc_ids, exchange_with_partner, gather_latent_prefix,
+                         swap_second_halves)
 from kcp.pairs import KdaFn, LocalLayout
 
 logger = logging.getLogger(__name__)
@@ -52,11 +54,13 @@ class KCPContext:
             shared by all ranks of a row, equal ids across a boundary = same document).
         positions: ``LongTensor[B, T]`` positions within the full row (default: ``cp_rank*T + 0..T-1``).
         kda_fn: override the chunked kernel ``chunk_kda`` (tests, other kernels).
+        mla_balance: MLA queries balanced over the CP ranks by half-segment swaps (``parallel.mla_cp_balance``,
+            :mod:`kcp.mla_cp`); False: every rank attends its own segment's queries over its causal prefix.
     Collective over the CP group.
     """
 
     def __init__(self, dims_or_group: Any, doc_ids: Tensor, positions: Tensor | None = None, *,
-                 kda_fn: KdaFn | None = None, stats: CommStats | None = None) -> None:
+                 kda_fn: KdaFn | None = None, stats: CommStats | None = None, mla_balance: bool = True) -> None:
         if doc_ids.dim() != 2:
             raise ValueError(f"KCPContext: doc_ids must be [B, T], got {tuple(doc_ids.shape)}")
         self.group = _resolve_group(dims_or_group)
@@ -83,8 +87,23 @@ class KCPContext:
         r = self.rank
         self._halos: list[Tensor] = []  # conv halos not yet tied into a KDA output (see the module docstring)
         self.seen_doc_ids = self.edges.seen_doc_ids(r, doc_ids)  # [r+1, B, T] segments 0..r as this rank sees them
-        self.key_doc_ids = self.seen_doc_ids.permute(1, 0, 2).reshape(B, (r + 1) * T)
-        self.key_positions = self.edges.positions(r, doc_ids.device).permute(1, 0, 2).reshape(B, (r + 1) * T)
+        # MLA (kcp/mla_cp.py): the queries this rank computes and the key segments 0..n-1 they need
+        self.mla_balance = bool(mla_balance) and self.size > 1
+        self.partner = balance_partner(r, self.size) if self.mla_balance else r
+        if self.mla_balance:
+            partner_doc = exchange_with_partner(doc_ids, self.group, self.partner, self.stats, "layout")
+            key_docs = balanced_key_doc_ids(self.edges, r, doc_ids, self.partner, partner_doc)
+            h = T // 2
+            partner_pos = self.edges.positions(self.partner, doc_ids.device)[self.partner]
+            self.query_doc_ids = torch.cat([doc_ids[:, :h], partner_doc[:, h:]], dim=1)
+            self.query_positions = torch.cat([positions[:, :h], partner_pos[:, h:]], dim=1)
+        else:
+            key_docs = self.seen_doc_ids
+            self.query_doc_ids, self.query_positions = doc_ids, positions
+        self.key_segments = key_docs.shape[0]
+        n = self.key_segments
+        self.key_doc_ids = key_docs.permute(1, 0, 2).reshape(B, n * T)
+        self.key_positions = self.edges.positions(n - 1, doc_ids.device).permute(1, 0, 2).reshape(B, n * T)
         logger.debug("%r: chain rows fold=%s", self, self.plan.fwd_b.sum(0).tolist())
 
     # ------------------------------------------------------------------------------------------------------
@@ -132,14 +151,34 @@ class KCPContext:
         return tie(o, *halos), final
 
     def gather_latent(self, latent: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """``latent [B, T, L] -> (latent_keys [B, (r+1)T, L], key_doc_ids, key_positions [B, (r+1)T])``.
+        """``latent [B, T, L] -> (latent_keys [B, nT, L], key_doc_ids, key_positions [B, nT])``.
 
-        Keys are the causal prefix: the segments of CP ranks 0..r (this rank included). All-gather forward,
-        reduce-scatter backward, over the CP group.
+        Keys are the segments of CP ranks ``0..n-1``: the causal prefix ``0..r``, or under the MLA balance
+        ``0..max(r, partner)`` (the prefix of both query groups). All-gather forward, reduce-scatter backward,
+        over the CP group.
         """
         self._check_bt(latent, "gather_latent")
         return gather_latent_prefix(latent, self.key_doc_ids.to(latent.device),
-                                    self.key_positions.to(latent.device), self.group, self.stats)
+                                    self.key_positions.to(latent.device), self.group, self.stats,
+                                    self.key_segments)
+
+    def mla_queries(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The MLA layer input of the queries this rank computes: ``x [B, T, d] -> (x_q [B, T, d], q_doc_ids,
+        q_positions [B, T])``. Under the balance: this rank's first half-segment and its partner's second
+        (one all-to-all forward and one backward, every rank); else ``x`` and this segment's ids."""
+        self._check_bt(x, "mla_queries")
+        dev = x.device
+        if self.mla_balance:
+            x = swap_second_halves(x, self.group, self.partner, self.stats, "mla_swap_fwd", "mla_swap_bwd")
+        return x, self.query_doc_ids.to(dev), self.query_positions.to(dev)
+
+    def mla_outputs(self, y: Tensor) -> Tensor:
+        """The MLA layer output of :meth:`mla_queries`' queries back to the ranks that own their positions
+        (the same swap; identity without the balance)."""
+        self._check_bt(y, "mla_outputs")
+        if self.mla_balance:
+            y = swap_second_halves(y, self.group, self.partner, self.stats, "mla_swap_fwd", "mla_swap_bwd")
+        return y
 
     # ------------------------------------------------------------------------------------------------------
     def _check_bt(self, x: Tensor, what: str) -> None:
@@ -148,4 +187,5 @@ class KCPContext:
                              f"for {(self.B, self.T)}")
 
     def __repr__(self) -> str:
-        return f"KCPContext(cp={self.size}, rank={self.rank}, B={self.B}, T={self.T}, chain={self.plan.any_chain})"
+        return (f"KCPContext(cp={self.size}, rank={self.rank}, B={self.B}, T={self.T}, chain={self.plan.any_chain}, "
+                f"mla_balance={self.mla_balance})")

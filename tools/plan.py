@@ -16,6 +16,7 @@ here; measured beside predicted, median absolute error and Spearman rank correla
 from __future__ import annotations
 
 import argparse
+import math
 import json
 import sys
 from pathlib import Path
@@ -39,7 +40,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --measure: steps per run (the first two excluded; the first only, below 5 steps)")
     ap.add_argument("--ep-skew", type=float, default=1.5, help="plain EP: busiest rank's routed load / mean")
     ap.add_argument("--exhaustive", action="store_true", help="simulate and trace every layout")
-    ap.add_argument("--trace-budget-s", type=float, default=100.0, help="seconds of memory traces at most")
+    ap.add_argument("--trace-budget-s", type=float, default=0.0,
+                    help="seconds of memory traces at most (0: what --time-budget-s leaves; a long-context K3 "
+                         "trace of a new cp takes about a minute)")
     ap.add_argument("--sim-budget-s", type=float, default=60.0, help="seconds of schedule simulation at most")
     ap.add_argument("--time-budget-s", type=float, default=270.0,
                     help="seconds of the whole plan at most (enumeration, bounds, simulation, traces; not --measure)")
@@ -104,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
 
         planner = Planner(args.config, overrides, args.world_size, dev, top=max(args.top, args.measure),
                           skew=args.ep_skew, exhaustive=args.exhaustive, layer_times=lt,
-                          trace_budget_s=args.trace_budget_s, sim_budget_s=args.sim_budget_s,
+                          trace_budget_s=args.trace_budget_s or math.inf, sim_budget_s=args.sim_budget_s,
                           time_budget_s=args.time_budget_s, log=log,
                           pairs=pairs)
         planner.enum_s = t_enum

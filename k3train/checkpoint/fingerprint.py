@@ -17,8 +17,9 @@ from typing import Any
 from k3train.config import Config
 from k3train.data.tokenizer import file_sha256
 
-# model fields with no effect on the numbers a run produces (activation recomputation only trades memory)
-_MODEL_EXEMPT = ("attn_res_recompute",)
+# model fields with no effect on the maths of a run (activation recomputation and chunking only trade memory; the
+# chunk sizes change at most the order of fp32 sums), so a resume may change them to fit another device
+_MODEL_EXEMPT = ("attn_res_recompute", "mla_block_size", "mixer_head_chunk", "moe_token_chunk")
 
 
 def _settable(section: Any) -> dict[str, Any]:

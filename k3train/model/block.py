@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from k3train.model.attnres import AttnRes, AttnResState
 from k3train.model.attnres_fused import rms_norm
+from k3train.model.chunking import head_ranges, maybe_checkpoint
 from k3train.model.ffn import DenseFFN
 from k3train.model.kda import KDALayer
 from k3train.model.mla import MLA
@@ -67,6 +68,7 @@ class K3Layer(nn.Module):
         self.ffn_res = AttnRes(d, eps) if attnres else None
         self.ffn_norm = RMSNorm(d, eps)
         self.ffn = build_ffn(cfg, cfg.is_moe_layer(layer_idx))
+        self.recompute_sublayers = False  # set from outside (K3Model.set_recompute): see run_mixer
 
     @property
     def ends_block(self) -> bool:
@@ -74,15 +76,40 @@ class K3Layer(nn.Module):
         return self.residual == "attnres" and (self.layer_idx + 1) % self.block_size == 0
 
     def forward(self, state: AttnResState, seq: SeqInfo) -> AttnResState:
+        return self.run_ffn(self.run_mixer(state, seq))
+
+    def run_mixer(self, state: AttnResState, seq: SeqInfo) -> AttnResState:
+        """:meth:`mixer_step` under the layer's recompute policy (``recompute_sublayers``, set from outside by
+        ``K3Model.set_recompute``): the sublayer recomputed on its own in the backward -- as one region whose input
+        (the state: resident but for the partial sum) is all it keeps, or chunk by chunk inside the mixer when it
+        computes in head chunks (``checkpoint_chunks`` set on it)."""
+        if self.recompute_sublayers and not _splits(self.attn, _tokens(state)):
+            return maybe_checkpoint(self.mixer_step, state, seq, enabled=True)
+        return self.mixer_step(state, seq)
+
+    def run_ffn(self, state: AttnResState) -> AttnResState:
+        """:meth:`ffn_step` under the recompute policy (as :meth:`run_mixer`; a LatentMoE with more tokens than its
+        token chunk recomputes chunk by chunk)."""
+        if self.recompute_sublayers and not _splits(self.ffn, _tokens(state)):
+            return maybe_checkpoint(self.ffn_step, state, enabled=True)
+        return self.ffn_step(state)
+
+    def mixer_step(self, state: AttnResState, seq: SeqInfo) -> AttnResState:
+        """The token-mixer sublayer: its aggregation + pre-norm, the mixer, the sum into the partial sum. The state
+        returned always has a partial sum (the one :meth:`ffn_step` continues)."""
         if self.residual == "standard":
             h = state.partial
-            h = h + self.attn(self._pre_norm(self.attn_norm, h), seq)
-            h = h + self.ffn(self._pre_norm(self.ffn_norm, h))
-            return AttnResState(blocks=[], partial=h)
-        blocks = state.blocks
+            return AttnResState(blocks=[], partial=h + self.attn(self._pre_norm(self.attn_norm, h), seq))
         x = self.attn_res(state.sources(), self.attn_norm, self.recompute)
         out = self.attn(x, seq)
-        partial = out if state.partial is None else state.partial + out
+        return AttnResState(blocks=list(state.blocks), partial=out if state.partial is None else state.partial + out)
+
+    def ffn_step(self, state: AttnResState) -> AttnResState:
+        """The FFN sublayer on :meth:`mixer_step`'s state; completes the block after its last layer."""
+        if self.residual == "standard":
+            h = state.partial
+            return AttnResState(blocks=[], partial=h + self.ffn(self._pre_norm(self.ffn_norm, h)))
+        blocks, partial = state.blocks, state.partial
         x = self.ffn_res([*blocks, partial], self.ffn_norm, self.recompute)
         partial = partial + self.ffn(x)
         if self.ends_block:
@@ -100,3 +127,18 @@ class K3Layer(nn.Module):
 
     def extra_repr(self) -> str:
         return f"layer={self.layer_idx}, kind={self.kind}, ends_block={self.ends_block}"
+
+
+def _splits(mod: nn.Module, n_tokens: int) -> bool:
+    """Whether ``mod`` computes in chunks: a token mixer with more than one head chunk, a LatentMoE with more tokens
+    than its token chunk (k3train/model/chunking.py)."""
+    if isinstance(mod, LatentMoE):
+        return n_tokens > mod.token_chunk > 0
+    heads, chunk = getattr(mod, "num_heads", 0), getattr(mod, "head_chunk", 0)
+    return len(head_ranges(heads, chunk)) > 1
+
+
+def _tokens(state: AttnResState) -> int:
+    """Tokens of a state (``B * T``)."""
+    t = state.partial if state.partial is not None else state.blocks[-1]
+    return t.shape[:-1].numel()

@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from k3train.model.conv import ShortConv
+from k3train.model.chunking import chunked_output, head_ranges, linear_fp32_out
+from k3train.model.conv import ShortConv, causal_depthwise_conv
 from k3train.model.norm import RMSNorm
 from k3train.model.seq import SeqInfo
 from k3train.ops.kda import layer_kda_op
@@ -101,6 +102,10 @@ class KDALayer(nn.Module):
         self.mark_param_attrs()
         # (q, k, v, g, beta, *, scale, cu_seqlens) -> (o, final_state); the token-loop reference fits too.
         self.kda_op: Callable[..., Any] = layer_kda_op(cfg)  # chunk_kda with the config's chunking and gate bound
+        # heads per chunk (model.mixer_head_chunk; 0: all at once) and whether each chunk is recomputed on its own
+        # in the backward (set from outside: parallel.recompute_granularity = sublayer; k3train/model/chunking.py)
+        self.head_chunk = int(getattr(cfg, "mixer_head_chunk", 0))
+        self.checkpoint_chunks = False
 
     def mark_param_attrs(self) -> None:
         """Per-head Muon orthogonalises each head's rows of W_q, W_k, W_v separately (rows are head-major).
@@ -109,16 +114,38 @@ class KDALayer(nn.Module):
             mark_per_head(w, self.num_heads)
 
     def forward(self, x: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
-        B, T, _ = x.shape
         H, K = self.num_heads, self.head_dim
+        ranges = head_ranges(H, self.head_chunk)
+        if len(ranges) == 1:
+            return self.o_proj(self._heads(x, seq, 0, H))
+        # head chunks (k3train/model/chunking.py): each chunk's share of the output projection, summed in fp32;
+        # recomputed one chunk at a time in the backward when checkpoint_chunks is set (sublayer recompute)
+        w_o = self.o_proj.weight
+
+        def part(h0: int, h1: int) -> torch.Tensor:
+            return linear_fp32_out(self._heads(x, seq, h0, h1), w_o[:, h0 * K:h1 * K])
+
+        return chunked_output(part, ranges, self.checkpoint_chunks, x.dtype)
+
+    def _heads(self, x: torch.Tensor, seq: SeqInfo, h0: int, h1: int) -> torch.Tensor:
+        """Heads ``h0..h1-1`` up to the output projection: ``x [B, T, d] -> [B, T, (h1-h0)*K]`` (gated,
+        normalised; ``x``'s dtype). Every weight is read through its rows of these heads."""
+        B, T, _ = x.shape
+        H, K = h1 - h0, self.head_dim
+        whole = (h0, h1) == (0, self.num_heads)
+        rows = slice(h0 * K, h1 * K)
+
+        def lin(mod: nn.Linear, r: slice, inp: torch.Tensor = x) -> torch.Tensor:
+            return mod(inp) if whole else F.linear(inp, mod.weight[r])
+
         cp = seq.cp
-        q, k, v = self._short_convs(x, seq)
+        q, k, v = self._short_convs(x, seq, [lin(p, rows) for p in (self.q_proj, self.k_proj, self.v_proj)], rows)
         q = l2norm(F.silu(q).view(B, T, H, K))
         k = l2norm(F.silu(k).view(B, T, H, K))
         v = F.silu(v).view(B, T, H, K)
-        beta = torch.sigmoid(_acc(self.b_proj(x)))  # [B, T, H]
-        z = self.f_b_proj(self.f_a_proj(x)).view(B, T, H, K) + self.dt_bias.view(H, K)
-        g = kda_decay(z, self.A_log, self.decay_form, self.gate_lower_bound)  # fp32 (fp64) [B, T, H, K]
+        beta = torch.sigmoid(_acc(lin(self.b_proj, slice(h0, h1))))  # [B, T, H]
+        z = lin(self.f_b_proj, rows, self.f_a_proj(x)).view(B, T, H, K) + self.dt_bias[rows].view(H, K)
+        g = kda_decay(z, self.A_log[h0:h1], self.decay_form, self.gate_lower_bound)  # fp32 (fp64) [B, T, H, K]
         scale = K ** -0.5
         if cp is not None:
             o = cp.kda(q, k, v, g, beta, scale, seq)
@@ -127,28 +154,33 @@ class KDALayer(nn.Module):
             flat = [t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, beta)]
             o, _ = self.kda_op(*flat, scale=scale, cu_seqlens=seq.cu_seqlens)
             o = o.view(B, T, H, K)
-        gate = torch.sigmoid(self.output_gate_logits(x)).view(B, T, H, K)
+        gate = torch.sigmoid(self.output_gate_logits(x, None if whole else rows)).view(B, T, H, K)
         o = self.o_norm(o.to(x.dtype)) * gate
-        return self.o_proj(o.reshape(B, T, H * K))
+        return o.reshape(B, T, H * K)
 
-    def output_gate_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """``W_g x`` ``[..., H*K]``: the full-rank gate, or the low-rank ``W_g_up W_g_down x``."""
+    def output_gate_logits(self, x: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
+        """``W_g x`` ``[..., H*K]``: the full-rank gate, or the low-rank ``W_g_up W_g_down x``; with ``rows`` only
+        those output channels (a head chunk's)."""
         if self.full_rank_gate:
-            return self.g_proj(x)
-        return self.g_b_proj(self.g_a_proj(x))
+            return self.g_proj(x) if rows is None else F.linear(x, self.g_proj.weight[rows])
+        down = self.g_a_proj(x)
+        return self.g_b_proj(down) if rows is None else F.linear(down, self.g_b_proj.weight[rows])
 
-    def _short_convs(self, x: torch.Tensor, seq: SeqInfo) -> list[torch.Tensor]:
-        """ShortConv of the q, k, v projections ``[B, T, H*K]`` each (before Swish)."""
+    def _short_convs(self, x: torch.Tensor, seq: SeqInfo, projs: list[torch.Tensor],
+                     rows: slice) -> list[torch.Tensor]:
+        """ShortConv of the q, k, v projections ``[B, T, C]`` each (before Swish; C the chunk's channels
+        ``rows``)."""
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
-        projs = [self.q_proj(x), self.k_proj(x), self.v_proj(x)]
         n = self.q_conv1d.kernel_size - 1
+        whole = rows == slice(0, self.num_heads * self.head_dim)
+        ws = [c.weight if whole else c.weight[rows] for c in convs]
         if seq.cp is None or n == 0:
-            return [conv(p, seq.doc_ids) for conv, p in zip(convs, projs)]
+            return [causal_depthwise_conv(p, w, seq.doc_ids) for w, p in zip(ws, projs)]
         # Under CP: the previous rank's last K-1 tokens of this row (doc -1 where there is none), fetched ONCE for
         # q, k and v together.
         prev, prev_doc = seq.cp.conv_halo(torch.cat(projs, dim=-1), n)
         prevs = prev.split([p.shape[-1] for p in projs], dim=-1)
-        return [conv(p, seq.doc_ids, (pv, prev_doc)) for conv, p, pv in zip(convs, projs, prevs)]
+        return [causal_depthwise_conv(p, w, seq.doc_ids, pv, prev_doc) for w, p, pv in zip(ws, projs, prevs)]
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, head_dim={self.head_dim}, decay={self.decay_form}"

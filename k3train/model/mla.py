@@ -25,13 +25,14 @@ optimizer last reset it, updated under ``no_grad`` in training when ``track_qk_m
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k3train.model.chunking import chunked_output, head_ranges, linear_fp32_out
 from k3train.model.norm import RMSNorm
 from k3train.model.seq import SeqInfo
 from k3train.ops.mla_blockwise import blockwise_mla_attention
@@ -46,6 +47,8 @@ class MaskInfo:
     q_pos: torch.Tensor
     k_doc: torch.Tensor
     k_pos: torch.Tensor
+    # the blockwise op's block plans by block size (k3train/ops/mla_blockwise.py: made once per mask)
+    plans: dict = field(default_factory=dict, repr=False, compare=False)
 
     def dense(self) -> torch.Tensor:
         """Boolean ``[B, 1, Tq, Tk]``, True where the query may attend to the key."""
@@ -82,7 +85,9 @@ class MLA(nn.Module):
     """Gated MLA token mixer: ``x [B, T, d] -> y [B, T, d]`` given ``seq: SeqInfo``.
 
     Communication: none by itself; under CP it calls ``seq.cp.gather_latent(latent)`` (autograd-aware all-gather of
-    the ``[B, T, kv_lora_rank + qk_rope_head_dim]`` latent over the CP group held by that object).
+    the ``[B, T, kv_lora_rank + qk_rope_head_dim]`` latent over the CP group held by that object), then
+    ``seq.cp.mla_queries(x)`` for the queries this rank computes and ``seq.cp.mla_outputs(y)`` to hand their
+    outputs back (the CP causal balance, kcp/mla_cp.py; identities without it).
 
     ``attention_op``: None (the blockwise path, ``model.mla_block_size``), or an op with :func:`attention_core`'s
     signature on the expanded K/V -- :func:`attention_core` itself (the dense reference) or a flash kernel that
@@ -120,6 +125,10 @@ class MLA(nn.Module):
         self.register_buffer("qk_max", torch.zeros(H), persistent=False)
         self.track_qk_max = True
         self.block_size = int(cfg.mla_block_size)
+        # heads per chunk (model.mixer_head_chunk; 0: all at once) and whether each chunk is recomputed on its own
+        # in the backward (set from outside: parallel.recompute_granularity = sublayer; k3train/model/chunking.py)
+        self.head_chunk = int(getattr(cfg, "mixer_head_chunk", 0))
+        self.checkpoint_chunks = False
 
     def mark_param_attrs(self) -> None:
         """Per-head Muon: rows of W_uq are [head][nope+rope]; rows of W_ukv are [head][k_nope ; v], and the k_nope
@@ -148,28 +157,33 @@ class MLA(nn.Module):
         return out
 
     # ---------------------------------------------------------------------------------------------------------
-    def project_q(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [B, T, d] -> q [B, T, H, Dn + Dr]``."""
+    def project_q(self, x: torch.Tensor, heads: tuple[int, int] | None = None) -> torch.Tensor:
+        """``x [B, T, d] -> q [B, T, H, Dn + Dr]`` (of heads ``h0..h1-1`` when ``heads`` is given)."""
         B, T, _ = x.shape
-        if self.q_lora_rank > 0:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        else:
-            q = self.q_proj(x)
-        return q.view(B, T, self.num_heads, self.qk_dim)
+        h0, h1 = heads if heads is not None else (0, self.num_heads)
+        whole = (h0, h1) == (0, self.num_heads)
+        proj = self.q_b_proj if self.q_lora_rank > 0 else self.q_proj
+        inp = self.q_a_layernorm(self.q_a_proj(x)) if self.q_lora_rank > 0 else x
+        q = proj(inp) if whole else F.linear(inp, proj.weight[h0 * self.qk_dim:h1 * self.qk_dim])
+        return q.view(B, T, h1 - h0, self.qk_dim)
 
     def expand_latent(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Latent ``[B, Tk, kv_lora_rank + Dr]`` -> keys ``[B, Tk, H, Dn + Dr]``, values ``[B, Tk, H, Dv]``."""
-        B, Tk, _ = latent.shape
-        H = self.num_heads
-        c_kv, k_pe = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(c_kv)).view(B, Tk, H, self.nope_dim + self.v_dim)
-        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
-        k = torch.cat([k_nope, k_pe[:, :, None, :].expand(B, Tk, H, self.rope_dim)], dim=-1)
-        return k, v
+        return self._expand(latent, self.kv_b_proj.weight)
 
     def expand_weights(self) -> tuple[torch.Tensor, ...]:
         """The parameters :meth:`expand_latent` reads (the blockwise op returns their gradients)."""
         return (self.kv_a_layernorm.weight, self.kv_b_proj.weight)
+
+    def _expand(self, latent: torch.Tensor, w_kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`expand_latent` with ``w_kv`` the rows of W_ukv of some heads (all: the parameter itself)."""
+        B, Tk, _ = latent.shape
+        H = w_kv.shape[0] // (self.nope_dim + self.v_dim)
+        c_kv, k_pe = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = F.linear(self.kv_a_layernorm(c_kv), w_kv).view(B, Tk, H, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe[:, :, None, :].expand(B, Tk, H, self.rope_dim)], dim=-1)
+        return k, v
 
     def forward(self, x: torch.Tensor, seq: SeqInfo,
                 attend: Callable[[MLA, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
@@ -178,37 +192,71 @@ class MLA(nn.Module):
         hooks see it."""
         if attend is not None:
             return attend(self, x)
-        B, T, _ = x.shape
-        q = self.project_q(x)
         latent = self.kv_a_proj_with_mqa(x)
+        q_doc, q_pos = seq.doc_ids, seq.positions
         if seq.cp is not None:
             latent, key_doc, key_pos = seq.cp.gather_latent(latent)
+            # the queries this rank computes: under the CP causal balance half of them are a partner's
+            # (kcp/mla_cp.py); their output goes back by seq.cp.mla_outputs below
+            x, q_doc, q_pos = seq.cp.mla_queries(x)
         else:
             key_doc, key_pos = seq.doc_ids, seq.positions
-        mask = MaskInfo(q_doc=seq.doc_ids, q_pos=seq.positions, k_doc=key_doc, k_pos=key_pos)
-        qh = q.transpose(1, 2)  # [B, H, T, Dqk]
+        mask = MaskInfo(q_doc=q_doc, q_pos=q_pos, k_doc=key_doc, k_pos=key_pos)
+        ranges = head_ranges(self.num_heads, self.head_chunk)
+        if len(ranges) == 1:
+            y = self.o_proj(self._heads(x, latent, mask, 0, self.num_heads))
+        else:
+            # head chunks (k3train/model/chunking.py): the latent is gathered once, each chunk expands its own
+            # heads' keys and values from it; the chunks' shares of the output projection are summed in fp32
+            w_o, dv = self.o_proj.weight, self.v_dim
+
+            def part(h0: int, h1: int) -> torch.Tensor:
+                return linear_fp32_out(self._heads(x, latent, mask, h0, h1), w_o[:, h0 * dv:h1 * dv])
+
+            y = chunked_output(part, ranges, self.checkpoint_chunks, x.dtype)
+        return seq.cp.mla_outputs(y) if seq.cp is not None else y
+
+    def _heads(self, x: torch.Tensor, latent: torch.Tensor, mask: MaskInfo, h0: int, h1: int) -> torch.Tensor:
+        """Heads ``h0..h1-1`` up to the output projection: ``-> [B, T, (h1-h0)*Dv]`` (gated, ``x``'s dtype);
+        updates their QK-Clip maxima."""
+        whole = (h0, h1) == (0, self.num_heads)
+        wkv = self.kv_b_proj.weight
+        w_kv = wkv if whole else wkv[h0 * (self.nope_dim + self.v_dim):h1 * (self.nope_dim + self.v_dim)]
+        qh = self.project_q(x, (h0, h1)).transpose(1, 2)  # [B, H, T, Dqk]
         track = self.training and self.track_qk_max
         if self.attention_op is None:
-            o, max_logit = blockwise_mla_attention(qh, latent, mask, self.scale, self.block_size,
-                                                   self.expand_latent, self.expand_weights())
+            def expand(lat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                return self._expand(lat, w_kv)
+
+            o, max_logit = blockwise_mla_attention(qh, latent, mask, self.scale, self.block_size, expand,
+                                                   (self.kv_a_layernorm.weight, w_kv))
         else:
-            k, v = self.expand_latent(latent)
+            k, v = self._expand(latent, w_kv)
             kh, vh = k.transpose(1, 2), v.transpose(1, 2)
             max_logit = masked_logit_max(qh, kh, mask, self.scale) if track else None
             o = self.attention_op(qh, kh, vh, mask, self.scale)  # fp32 [B, H, T, Dv]
         if track:
             with torch.no_grad():
-                self.qk_max.copy_(torch.maximum(self.qk_max, max_logit.to(self.qk_max.dtype)))
-        return self.project_out(x, o)
+                mx = self.qk_max[h0:h1]
+                mx.copy_(torch.maximum(mx, max_logit.to(mx.dtype)))
+        return self._gated(x, o, h0, h1)
 
     def project_out(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """The attention output ``o [B, H, T, Dv]`` (fp32) of the layer input ``x [B, T, d]`` -> ``y [B, T, d]``:
         the sigmoid output gate, then W_o."""
+        return self.o_proj(self._gated(x, o, 0, self.num_heads))
+
+    def _gated(self, x: torch.Tensor, o: torch.Tensor, h0: int, h1: int) -> torch.Tensor:
+        """Heads ``h0..h1-1``'s attention output ``o [B, h1-h0, T, Dv]`` (fp32) -> ``[B, T, (h1-h0)*Dv]`` through
+        their rows of the sigmoid output gate, in ``x``'s dtype."""
         B, T, _ = x.shape
-        o = o.transpose(1, 2).reshape(B, T, self.num_heads * self.v_dim)
+        whole = (h0, h1) == (0, self.num_heads)
+        o = o.transpose(1, 2).reshape(B, T, (h1 - h0) * self.v_dim)
         if self.use_output_gate:
-            o = torch.sigmoid(self.g_proj(x)) * o
-        return self.o_proj(o.to(x.dtype))
+            gw = self.g_proj.weight
+            g = self.g_proj(x) if whole else F.linear(x, gw[h0 * self.v_dim:h1 * self.v_dim])
+            o = torch.sigmoid(g) * o
+        return o.to(x.dtype)
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, q_lora={self.q_lora_rank}, kv_lora={self.kv_lora_rank}, "

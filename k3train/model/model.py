@@ -35,7 +35,7 @@ from k3train.model.norm import RMSNorm
 from k3train.model.seq import SeqInfo
 from k3train.model.vit_tower import VisionTower
 
-CE_CHUNK_TOKENS = 8192  # tokens per LM-head + cross-entropy chunk (bounds the live fp32 logits to 8192 x vocab)
+CE_CHUNK_TOKENS = 4096  # tokens per LM-head + cross-entropy chunk (bounds the live fp32 logits to 4096 x vocab)
 
 
 def masked_ce_sum(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -107,8 +107,23 @@ class K3Model(nn.Module):
         self.norm: RMSNorm | None = RMSNorm(d, cfg.rms_norm_eps)
         self.lm_head: nn.Linear | None = nn.Linear(d, V, bias=False)
         self.mtp: MTPLayer | None = MTPLayer(cfg) if cfg.num_nextn_predict_layers > 0 else None
+        self.recompute_unit: str | None = None  # set_recompute
         # eagle3 (train.objective=eagle3): the EAGLE-3 draft's feature fusion W_E3 beside the MTP layer it drives
         self.eagle3: Eagle3Fusion | None = Eagle3Fusion(d) if eagle3 else None
+
+    def set_recompute(self, unit: str | None) -> None:
+        """What :meth:`forward_layers` recomputes in the backward (``parallel.recompute_granularity``, set from
+        outside like the runner's other policies): ``None`` (nothing, or the caller checkpoints a whole chunk),
+        ``"layer"`` (each layer one region: its input kept), ``"sublayer"`` (each token mixer and FFN one region,
+        or chunk by chunk when it computes in head / token chunks -- the MTP layer's MLA and MoE included)."""
+        if unit not in (None, "layer", "sublayer"):
+            raise ValueError(f"recompute unit must be None, 'layer' or 'sublayer', got {unit!r}")
+        self.recompute_unit = unit
+        for mod in self.modules():
+            if isinstance(mod, K3Layer):
+                mod.recompute_sublayers = unit == "sublayer"
+            elif hasattr(mod, "checkpoint_chunks"):
+                mod.checkpoint_chunks = unit == "sublayer"
 
     # ---------------------------------------------------------------------------------------------------------
     # stage seams
@@ -196,7 +211,10 @@ class K3Model(nn.Module):
             key = str(i)
             if key not in self.layers:
                 raise RuntimeError(f"layer {i} is not held by this model chunk (held: {list(self.layers.keys())})")
-            state = self.layers[key](state, seq)
+            if self.recompute_unit == "layer" and torch.is_grad_enabled():
+                state = checkpoint(self.layers[key], state, seq, use_reentrant=False)
+            else:
+                state = self.layers[key](state, seq)
         return state
 
     def final_aggregate(self, state: AttnResState) -> torch.Tensor:

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k3train.model.chunking import maybe_checkpoint, token_ranges
 from k3train.model.ffn import DenseFFN, glu
 from k3train.model.norm import RMSNorm
 from k3train.quant.qat import NO_QUANT, ExpertQuant
@@ -484,6 +485,10 @@ class LatentMoE(nn.Module):
         self.shared_experts = nn.ModuleList(DenseFFN(d, cfg.shared_expert_intermediate_size, beta, lin_beta, act)
                                             for _ in range(cfg.num_shared_experts))
         self.dispatcher: Callable[..., torch.Tensor] = LocalDispatcher()
+        # tokens per chunk (model.moe_token_chunk) and whether each chunk is recomputed on its own in the backward
+        # (set from outside: parallel.recompute_granularity = sublayer; k3train/model/chunking.py)
+        self.token_chunk = int(getattr(cfg, "moe_token_chunk", 0))
+        self.checkpoint_chunks = False
 
     def routed_latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x[N, d]`` -> ``(z[N, l], topk_idx, topk_weight)``: the latent tokens to dispatch and their routes."""
@@ -505,15 +510,24 @@ class LatentMoE(nn.Module):
         return y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x[..., d] -> [..., d]``, ``token_chunk`` tokens at a time (every chunk one dispatch: under expert
+        parallelism every EP rank runs the same number of them, its tokens per micro-batch being the same)."""
         if x.shape[-1] != self.d:
             raise ValueError(f"LatentMoE: expected last dimension {self.d}, got shape {tuple(x.shape)}")
         flat = x.reshape(-1, self.d)
+        ranges = token_ranges(flat.shape[0], self.token_chunk)
+        if len(ranges) == 1:
+            return self._forward_flat(flat).view(x.shape)
+        outs = [maybe_checkpoint(self._forward_flat, flat[s:e], enabled=self.checkpoint_chunks) for s, e in ranges]
+        return torch.cat(outs).view(x.shape)
+
+    def _forward_flat(self, flat: torch.Tensor) -> torch.Tensor:
         z, topk_idx, topk_weight = self.routed_latent(flat)
         # the shared experts first: on an accelerator their kernels are queued before the dispatcher's one host
         # synchronisation (the count copy) and run while the host plans the dispatch
         shared = [s(flat) for s in self.shared_experts]
         u = self.dispatcher(z, topk_idx, topk_weight, self.experts)
-        return self.combine(flat, u, shared).view(x.shape)
+        return self.combine(flat, u, shared)
 
 
 def latent_moe_reference(moe: LatentMoE, x: torch.Tensor) -> torch.Tensor:

@@ -72,9 +72,20 @@ def _block_ranges(x: Tensor, block: int) -> tuple[Tensor, Tensor]:
 def block_plan(mask: Any, block: int) -> BlockPlan:
     """The (row, key block, query block) pairs the causal + document mask does not empty, from per-block
     min/max of positions and document ids (conservative: a kept pair may still have no allowed entry; it is
-    then masked to nothing)."""
+    then masked to nothing). Kept on ``mask`` (its ``plans`` dict, when it has one): the head chunks of a layer
+    and their recomputation share one mask, so the plan -- one host read of the block ranges -- is made once."""
     if block <= 0:
         raise ValueError(f"blockwise MLA: block size must be > 0, got {block}")
+    plans = getattr(mask, "plans", None)
+    if plans is not None and block in plans:
+        return plans[block]
+    plan = _make_plan(mask, block)
+    if plans is not None:
+        plans[block] = plan
+    return plan
+
+
+def _make_plan(mask: Any, block: int) -> BlockPlan:
     qp_lo, qp_hi = _block_ranges(mask.q_pos, block)
     qd_lo, qd_hi = _block_ranges(mask.q_doc, block)
     kp_lo, kp_hi = _block_ranges(mask.k_pos, block)

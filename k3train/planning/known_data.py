@@ -64,6 +64,31 @@ def _grouped_mm_shape(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | Non
     return a.new_empty(shape, dtype=out_dtype or a.dtype)
 
 
+# views whose result never holds more elements than their input (no expand)
+_SHRINKING_VIEWS = {aten.slice.Tensor, aten.select.int, aten.unsqueeze.default, aten.squeeze.dim, aten.view.default,
+                    aten._unsafe_view.default, aten.alias.default, aten.t.default, aten.transpose.int,
+                    aten.permute.default}
+
+
+def _known_small(func: Any, tensors: list[torch.Tensor]) -> bool:
+    """Whether an op on real tensors certainly makes a result of at most ``SMALL_REAL`` elements, from the
+    inputs' shapes alone: a pointwise op (its result has the broadcast shape of its inputs) or a view that never
+    grows -- so the fake probe (a conversion of every input, the slow part of a trace's many small index ops, e.g.
+    the blockwise MLA's per-block masks) can be skipped."""
+    if func in _SHRINKING_VIEWS:
+        return all(t.numel() <= SMALL_REAL for t in tensors)
+    if torch.Tag.pointwise not in func.tags or not tensors:
+        return False
+    try:
+        shape = torch.broadcast_shapes(*(t.shape for t in tensors))
+    except RuntimeError:
+        return False
+    n = 1
+    for x in shape:
+        n *= x
+    return n <= SMALL_REAL
+
+
 class KnownData(TorchDispatchMode):
     """See the module docstring. Enter as ``with fake_mode, KnownData(): ...``."""
 
@@ -71,6 +96,9 @@ class KnownData(TorchDispatchMode):
         kwargs = kwargs or {}
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         fake = any(isinstance(t, FakeTensor) for t in tensors)
+        if not fake and _known_small(func, tensors):
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
         if not fake:
             # fake first, to see what it makes: a real-data op whose result is big (a [T, T] mask at 1M tokens,
             # a float factory) stays fake

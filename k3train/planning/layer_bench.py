@@ -37,8 +37,9 @@ from k3train.planning.devices import host_key, load_cache, median_time, save_cac
 # bumped whenever what bench_layers runs changes, so a calibration file never serves times of an older method
 # (2: EP layers through the real dispatcher, CP layers through KCP / MLA-CP; 3: the backward under recompute
 # timed, fused AttnRes aggregation; 4: the KDA op keeps its solve for the backward; 5: EP set up by
-# apply_expert_parallel, MoonEP layouts timed through MoonEP's own dispatcher)
-LAYERS_VERSION = 5
+# apply_expert_parallel, MoonEP layouts timed through MoonEP's own dispatcher; 6: MLA-CP balanced, head and token
+# chunks)
+LAYERS_VERSION = 6
 
 
 def _key(cfg: Any, *parts: Any) -> str:

@@ -137,10 +137,16 @@ def _nbytes(tensors: Any) -> int:
     return sum(seen.values())
 
 
-def trace_batch(cfg: Config, B: int, T: int, cp_rank: int = 0) -> tuple[Any, str]:
+def trace_batch(cfg: Config, B: int, T: int, cp_rank: int = 0, doc_len: int = 0) -> tuple[Any, str]:
     """A synthetic micro-batch ``[B, T]``, one document per row (the least chunked-KDA padding), for runs
     whose data cannot be read yet (planning) and the per-layer traces of long sequences; under CP the
-    ``cp_rank``-th segment of each row (positions ``cp_rank*T ...``, the row's one document crossing it)."""
+    ``cp_rank``-th segment of each row (positions ``cp_rank*T ...``, the row's one document crossing it).
+
+    ``doc_len > 0`` (dividing T): documents of ``doc_len`` tokens instead, numbered on from the earlier CP
+    segments'. What the per-layer traces of the MLA attention use: the blockwise op's bytes do not depend on which
+    blocks the mask empties (every computed block allocates the same transients, the key-side tensors are sized by
+    the keys), only its time does, and with one document per block it computes one block per query block instead
+    of the causal triangle of a 1M-token row (hours of fake ops)."""
     import dataclasses
 
     from k3train.data.batch import Batch
@@ -148,9 +154,13 @@ def trace_batch(cfg: Config, B: int, T: int, cp_rank: int = 0) -> tuple[Any, str
     g = torch.Generator().manual_seed(0)
     samples = torch.randint(3, max(4, cfg.model.vocab_size), (B, T + 1), generator=g)
     samples[samples == cfg.model.eos_token_id] = 3
+    if doc_len > 0:
+        samples[:, doc_len - 1:T:doc_len] = cfg.model.eos_token_id
     batch = Batch.from_samples(samples, eos_id=cfg.model.eos_token_id, pad_id=cfg.model.pad_token_id)
     if cp_rank:
         batch = dataclasses.replace(batch, positions=batch.positions + cp_rank * T)
+        if doc_len > 0:
+            batch = dataclasses.replace(batch, doc_ids=batch.doc_ids + cp_rank * (T // doc_len))
     return batch, "a synthetic (one document per row)"
 
 
@@ -373,18 +383,25 @@ def _track_existing(lb: LiveBytes, model: nn.Module | None, *objs: Any) -> None:
 
 def trace_range(cfg: Config, model: nn.Module, s: int, e: int, first: bool, last: bool, batch: Any,
                 fake: FakeTensorMode, recompute: bool, cp_rank: int | None = None,
-                cp_row: list[Any] | None = None, media: MediaCase | None = None) -> tuple[int, int, int]:
+                cp_row: list[Any] | None = None, media: MediaCase | None = None,
+                part: str | None = None) -> tuple[int, int, int]:
     """Forward + backward of layers ``[s, e)`` (with ``embed_batch`` when ``first``: the embedding and, for a
     vision model, the encoder on the media ``media`` asks for -- :class:`MediaCase`; the head + MTP when
     ``last``) on one micro-batch, as ``PipelineRunner._forward/_backward`` (or ``LocalRunner._run``) run it, from
-    the canonical AttnRes input state of layer ``s``. Returns ``(saved, f_peak, b_peak)``: bytes alive after the
-    forward, and the peaks above the pre-forward live bytes during the forward and the backward."""
+    the canonical AttnRes input state of layer ``s``; ``part`` ``"mixer"`` / ``"ffn"``: only that sublayer of
+    layer ``s`` (``K3Layer.run_mixer`` / ``run_ffn``, from the state it starts from). ``recompute``: parallel.recompute,
+    applied as the runner applies it (a whole-chunk checkpoint, or ``K3Model.set_recompute`` of the layer /
+    sublayer granularity). Returns ``(saved, f_peak, b_peak)``: bytes alive after the forward, and the peaks above
+    the pre-forward live bytes during the forward and the backward."""
     from k3train.model.attnres import AttnResState, canonical_layout
     from k3train.model.seq import SeqInfo
-    from parallel.pipeline.stage import run_maybe_recomputed
+    from parallel.pipeline.stage import recompute_chunk, recompute_unit, run_maybe_recomputed
 
     d, bs = cfg.model.hidden_size, cfg.model.attn_res_block_size
     n_in, has_partial = canonical_layout(s, bs, cfg.model.residual)  # the input state's blocks / partial sum
+    if part == "ffn":
+        has_partial = True  # the FFN continues the mixer's partial sum
+    model.set_recompute(recompute_unit(cfg, recompute))
     dtype = torch.bfloat16 if cfg.train.dtype == "bfloat16" else torch.float32
     B, T = batch.tokens.shape
     sim: Any = contextlib.nullcontext
@@ -421,11 +438,15 @@ def trace_range(cfg: Config, model: nn.Module, s: int, e: int, first: bool, last
         def run() -> Any:
             state = (model.embed_batch(batch) if first
                      else AttnResState(blocks=list(leaves[:n_in]), partial=leaves[-1] if has_partial else None))
+            if part == "mixer":
+                return model.layers[str(s)].run_mixer(state, seq)
+            if part == "ffn":
+                return model.layers[str(s)].run_ffn(state)
             state = model.forward_layers(state, s, e, seq)
             return model.loss_sums(state, batch, seq) if last else state
 
         lb.set_phase("forward")
-        out = run_maybe_recomputed(run, recompute)
+        out = run_maybe_recomputed(run, recompute_chunk(cfg, recompute))
         lb.set_phase("saved")
         saved = lb.live - base
         f_peak = lb.phase_peak.get("forward", lb.live) - base
@@ -433,7 +454,8 @@ def trace_range(cfg: Config, model: nn.Module, s: int, e: int, first: bool, last
             mtp_w = cfg.model.mtp_loss_weight if cfg.model.num_nextn_predict_layers else 0.0
             roots, grads = [out["lm_loss_sum"] + mtp_w * out["mtp_loss_sum"]], [None]
         else:
-            roots = [t for t in out.blocks[n_in:]] + ([out.partial] if out.partial is not None else [])
+            new_blocks = out.blocks[n_in:]
+            roots = [t for t in new_blocks] + ([out.partial] if out.partial is not None else [])
             roots = [t for t in roots if t.requires_grad]
             grads = [torch.empty_like(t) for t in roots]  # the received gradient payload
         lb.set_phase("backward")
@@ -450,6 +472,17 @@ class TraceDeadline(Exception):
     planner's memory-trace budget is spent (the pieces traced so far stay cached, and are exact)."""
 
 
+class TraceTooBig(Exception):
+    """Raised by a composed trace once one chunk alone -- one micro-batch's peak, or the saved bytes of its
+    micro-batches in flight at the rank's first backward -- holds more than ``EstimateCache.limit`` bytes (the
+    planner's device memory): the layout cannot fit whatever the rest adds, and the pieces not traced yet (minutes
+    at long context without recomputation) are not needed. ``nbytes``: that lower bound."""
+
+    def __init__(self, nbytes: int) -> None:
+        super().__init__(f"one chunk's micro-batches hold at least {nbytes} bytes")
+        self.nbytes = nbytes
+
+
 def _check_deadline(deadline: float | None) -> None:
     if deadline is not None and time.perf_counter() > deadline:
         raise TraceDeadline
@@ -457,11 +490,20 @@ def _check_deadline(deadline: float | None) -> None:
 
 # Above this many (tokens per micro-batch and rank) x (model layers) chunks are not traced whole: the cost of a
 # fake trace grows with both (chunked KDA's recurrence is one Python step per 64 tokens: a 64K-token K3 segment
-# would take hours of fake ops; 93 K3 layers at 4K tokens ~10 minutes on 2 cores). Instead each distinct layer
-# signature is traced alone at COMPOSE_TOKENS = 1K, 2K and 4K tokens, every byte count is fitted EXACTLY by
-# a + b T + c T^2 (memory is at most quadratic in T: the dense MLA attention), evaluated at the real T with the
-# quadratic term times cp (MLA-CP: keys from every segment up to the last rank's), and the layers of a chunk are
-# composed in order (forward peak: earlier layers' saved bytes + this layer's transient; backward in reverse).
+# would take hours of fake ops; 93 K3 layers at 4K tokens ~10 minutes on 2 cores). Instead each distinct piece --
+# the embedding, each layer signature (or, under parallel.recompute_granularity = sublayer, each of its token mixer
+# and FFN sublayers: the units recomputed on their own), the head + MTP -- is traced alone at a few token counts,
+# every byte count is fitted EXACTLY by a + b T + c T^2 (memory is at most quadratic in T), evaluated at the real T,
+# and the pieces of a chunk are composed in order (forward peak: earlier pieces' saved bytes + this piece's
+# transient; backward in reverse). The three token counts are COMPOSE_TOKENS = 1K, 2K, 4K (a KDA layer's or
+# mixer's: 256 and 512, a line -- its bytes are a constant plus a term per 64-token chunk, and its fake trace is the
+# slowest, one Python step per chunk and head chunk; an MLA's: 1, 2, 4 attention blocks, so that a trace holds the
+# real per-block transients), except for a piece holding a module that computes in token chunks (a LatentMoE:
+# model.moe_token_chunk; the LM head + MTP cross-entropy: CE_CHUNK_TOKENS) when the real micro-batch has more
+# tokens than the chunk: then 2 and 3 times the chunk (the least common multiple of the chunks in play), the line
+# fitted where the real run is -- a fixed per-chunk transient plus bytes linear in the tokens (:func:`piece_tokens`).
+# An MLA's pieces are also traced at CP rank 1 (at their first token count: what a key segment more holds is
+# proportional to the tokens) and extended to every rank in its key segments (:func:`mla_key_segments`).
 TRACE_BUDGET = 8192 * 16  # tokens x layers traced whole (tiny and small: whole chunks)
 
 
@@ -471,10 +513,36 @@ def whole_traces(cfg: Config, B: int, T: int) -> bool:
     CP rank, so at K3 width a large cp with short rows per rank would cost minutes per layout."""
     return B * T * cfg.parallel.cp * cfg.model.num_hidden_layers <= TRACE_BUDGET
 COMPOSE_TOKENS = (1024, 2048, 4096)
+KDA_COMPOSE_TOKENS = (256, 512)  # linear: a constant plus a term per 64-token chunk (the fits' c was 0 at 3)
+
+
+def piece_tokens(n_real: int, chunks: list[int], base: tuple[int, ...] = COMPOSE_TOKENS) -> tuple[int, ...]:
+    """Token counts a composed piece is traced at for a micro-batch of ``n_real`` tokens, given the token chunks
+    of the modules it holds: ``base`` when ``n_real`` exceeds none of them (one chunk: the module runs whole, as
+    at the trace's sizes); else ``2m, 3m`` with ``m`` the least common multiple of the chunks ``n_real`` exceeds
+    (the chunked regime, every chunk full: a fixed per-chunk transient plus bytes linear in the tokens, so two
+    points fit it), provided no other chunk is then exceeded; a micro-batch between two chunk sizes with no such
+    ``m`` is traced at ``n_real`` itself."""
+    import math
+
+    over = sorted({c for c in chunks if 0 < c < n_real})
+    if not over:
+        return base
+    m = math.lcm(*over)
+    pts = (2 * m, 3 * m)
+    if any(c > 0 and c not in over and c < pts[-1] for c in chunks):
+        return (n_real,)
+    return pts
 
 
 def _quadratic_fit(ts: tuple[int, ...], ys: list[int]) -> tuple[float, float, float]:
-    """``(a, b, c)`` of the quadratic through three points (exact: memory is at most quadratic in T)."""
+    """``(a, b, c)`` of the quadratic through three points (exact: memory is at most quadratic in T); of the line
+    through two; one point: the constant."""
+    if len(ts) == 1:
+        return float(ys[0]), 0.0, 0.0
+    if len(ts) == 2:
+        b = (ys[1] - ys[0]) / (ts[1] - ts[0])
+        return ys[0] - b * ts[0], b, 0.0
     (t1, t2, t3), (y1, y2, y3) = ts, ys
     c = ((y3 - y2) / (t3 - t2) - (y2 - y1) / (t2 - t1)) / (t3 - t1)
     b = (y2 - y1) / (t2 - t1) - c * (t1 + t2)
@@ -501,18 +569,33 @@ def layer_signature(cfg: Config, i: int) -> tuple:
     return (m.layer_kind(i), _layer_is_moe(cfg, i), i % bs == 0, (i + 1) % bs == 0)
 
 
+def mla_key_segments(cfg: Config, cp_rank: int) -> int:
+    """CP segments of keys an MLA layer of ``cp_rank`` attends over (kcp/mla_cp.py): its causal prefix ``r + 1``,
+    or under ``parallel.mla_cp_balance`` ``max(r, cp - 1 - r) + 1`` (its own and its partner's queries' prefix)."""
+    C = cfg.parallel.cp
+    if C > 1 and cfg.parallel.mla_cp_balance:
+        return max(cp_rank, C - 1 - cp_rank) + 1
+    return cp_rank + 1
+
+
 def trace_chunk(cfg: Config, model: nn.Module, part: Any, plan: Any, v: int, chunk: int, batch: Any,
                 fake: FakeTensorMode, cache: dict | None = None, batch_hi: Any = None,
                 cp_rank: int = 0, rows: tuple[Any, Any] = (None, None),
-                media: MediaCase | None = None, deadline: float | None = None) -> ChunkTrace:
+                media: MediaCase | None = None, deadline: float | None = None,
+                limit: float | None = None, in_flight: int = 1) -> ChunkTrace:
     """Virtual stage ``v`` on one micro-batch of CP rank ``cp_rank`` (see :func:`trace_range`; composed per layer
     above ``TRACE_BUDGET``, ``cache`` holding the per-signature fits).
 
     Under CP the real KCP context runs with simulated collectives. Composed traces are taken at CP ranks 0 and 1
-    and extended to rank r affinely (rank r's MLA attends over its causal prefix of (r+1) segments: every
-    key-side byte -- the latent prefix, expanded keys and values, the [T, (r+1)T] scores -- grows linearly with
-    r; the KCP pairs are the whole group's on every rank). ``deadline``: :class:`TraceDeadline` before any trace
-    that starts after it."""
+    and extended to rank r affinely in the MLA key segments of the rank (:func:`mla_key_segments`: every key-side
+    byte -- the latent keys, their doc ids, the latent gradient -- grows linearly with them; the KCP pairs are the
+    whole group's on every rank). ``deadline``: :class:`TraceDeadline` before any trace that starts after it;
+    ``limit``: :class:`TraceTooBig` as soon as the pieces composed so far exceed it, or their saved bytes times
+    ``in_flight`` (the forwards of this chunk the schedule runs before the rank's first backward, each holding
+    as much) do (composed traces only)."""
+    from k3train.model.model import CE_CHUNK_TOKENS
+    from parallel.pipeline.stage import recompute_unit
+
     s, e = part.bounds[v]
     first, last = v == 0, v == part.num_stages - 1
     d = cfg.model.hidden_size
@@ -530,42 +613,88 @@ def trace_chunk(cfg: Config, model: nn.Module, part: Any, plan: Any, v: int, chu
     else:
         cache = {} if cache is None else cache
         L = cfg.model.num_hidden_layers
+        unit = recompute_unit(cfg, recompute)
+        chunk_rc = recompute and unit is None  # the whole chunk one region: pieces traced without recomputation
+        moe_chunk = cfg.model.moe_token_chunk if cfg.model.num_experts > 0 else 0
         reps: dict[tuple, int] = {}
-        for i in range(L):  # the deepest layer of each signature (most AttnRes sources)
-            reps[layer_signature(cfg, i)] = i
+        for i in range(L):  # the deepest layer of each signature / sublayer class (most AttnRes sources)
+            sig = layer_signature(cfg, i)
+            reps[sig] = reps[("mixer", sig[0])] = reps[("ffn", sig[1])] = i
+        nk = [mla_key_segments(cfg, r) for r in range(min(C, 2))]
 
-        def piece(key: tuple, a: int, b: int, fst: bool, lst: bool) -> tuple[int, int, int]:
-            # the fits depend on the rows, the CP size, the dtype; the encoder's on the media and block recompute.
-            # Not on ep, up to the per-expert bookkeeping (tens of bytes per local expert and layer): every N*k
-            # route row is computed on the rank's shard (``_ShardDispatcher``) and expert weight gradients
-            # accumulate into the pre-set ``.grad`` (counted from the parameters), so one trace serves every ep
-            # (tests/planning/test_memory_compose.py)
-            ck = key + (B, C, cfg.train.dtype) + ((media, cfg.parallel.recompute) if key == ("embed",) else ())
+        def piece(key: tuple, a: int, b: int, fst: bool, lst: bool, sub: str | None = None,
+                  chunks: tuple[int, ...] = (), kind: str = "") -> tuple[int, int, int]:
+            # the fits depend on the rows, the CP size and balance, the dtype, the recompute unit, the token counts
+            # traced; the encoder's on the media and block recompute. Not on ep, up to the per-expert bookkeeping
+            # (tens of bytes per local expert and layer): every N*k route row is computed on the rank's shard
+            # (``_ShardDispatcher``) and expert weight gradients accumulate into the pre-set ``.grad`` (counted
+            # from the parameters), so one trace serves every ep (tests/planning/test_memory_compose.py)
+            mla = kind == "mla"  # its traces on short documents, at CP ranks 0 and 1 (its keys depend on the rank)
+            bk = cfg.model.mla_block_size
+            base = (KDA_COMPOSE_TOKENS if kind == "kda" else (bk * B, 2 * bk * B, 4 * bk * B) if mla
+                    else COMPOSE_TOKENS)
+            pts = piece_tokens(B * T, list(chunks), base)
+            ck = key + (B, C, cfg.train.dtype, cfg.parallel.mla_cp_balance, None if chunk_rc else unit, pts) + (
+                (media, cfg.parallel.recompute) if key == ("embed",) else ())
             if ck not in cache:
                 fits = []
-                for r in ((0, 1) if C > 1 else (0,)):
+
+                def traced(r: int, t: int) -> tuple[int, int, int]:
                     _check_deadline(deadline)
-                    ys = [trace_range(cfg, model, a, b, fst, lst, trace_batch(cfg, B, t // B, r)[0], fake, False,
-                                      r if C > 1 else None, None, media)
-                          for t in COMPOSE_TOKENS]  # synthetic CP rows
-                    fits.append([_quadratic_fit(COMPOSE_TOKENS, [y[k] for y in ys]) for k in range(3)])
+                    dl = cfg.model.mla_block_size if mla and (t // B) % cfg.model.mla_block_size == 0 else 0
+                    row = [trace_batch(cfg, B, t // B, rr, dl)[0] for rr in range(C)]  # synthetic CP rows
+                    return trace_range(cfg, model, a, b, fst, lst, row[r], fake, recompute and not chunk_rc,
+                                       r if C > 1 else None, row, media, sub)
+
+                ys = [traced(0, t) for t in pts]
+                fits.append([_quadratic_fit(pts, [y[k] for y in ys]) for k in range(3)])
+                # only the MLA's keys depend on the CP rank (the KCP pairs are the whole group's on every rank); what
+                # a key segment more holds (the latents, their ids, the latent gradient) is proportional to the
+                # tokens: the rank-1 difference is taken at the smallest token count and scaled
+                if C > 1 and mla:
+                    y1 = traced(1, pts[0])
+                    fits.append([(f[0], f[1] + (y1[k] - ys[0][k]) / pts[0], f[2]) for k, f in enumerate(fits[0])])
                 cache[ck] = fits
             fits = cache[ck]
             vals = [_poly(f, B * T) for f in fits[0]]
             if len(fits) > 1:
-                vals = [y0 + cp_rank * (_poly(f1, B * T) - y0) for y0, f1 in zip(vals, fits[1])]
+                if nk[1] != nk[0]:
+                    w = (mla_key_segments(cfg, cp_rank) - nk[0]) / (nk[1] - nk[0])
+                    vals = [y0 + w * (_poly(f1, B * T) - y0) for y0, f1 in zip(vals, fits[1])]
+                else:  # cp = 2 balanced: both ranks attend over both segments
+                    vals = [max(y0, _poly(f1, B * T)) for y0, f1 in zip(vals, fits[1])]
             return tuple(max(0, int(round(y))) for y in vals)
 
-        pieces = []
+        pieces: list[tuple[int, int, int]] = []
+
+        def add(p: tuple[int, int, int]) -> None:
+            pieces.append(p)
+            if limit is not None:
+                saved_so_far, f_so_far, b_so_far = _compose(pieces)
+                held = max(f_so_far, b_so_far, in_flight * saved_so_far)
+                if held > limit:
+                    raise TraceTooBig(held)
+
         if first:
-            pieces.append(piece(("embed",), 0, 0, True, False))
+            add(piece(("embed",), 0, 0, True, False))
         for i in range(s, e):
-            r = reps[layer_signature(cfg, i)]
-            pieces.append(piece(("layer",) + layer_signature(cfg, i), r, r + 1, False, False))
+            sig = layer_signature(cfg, i)
+            kind = cfg.model.layer_kind(i)
+            moe = (moe_chunk,) if _layer_is_moe(cfg, i) else ()
+            if unit == "sublayer":  # a mixer's bytes depend on its kind and sources, an FFN's on dense / MoE and
+                # sources: the deepest layer of each (the most AttnRes sources) is traced for all (an FFN that
+                # completes a block holds no more: its partial sum becomes the block)
+                mkey, fkey = ("mixer", kind), ("ffn", sig[1])
+                add(piece(mkey, reps[mkey], reps[mkey] + 1, False, False, "mixer", (), kind))
+                add(piece(fkey, reps[fkey], reps[fkey] + 1, False, False, "ffn", moe))
+            else:  # the MoE's token chunks run without recomputation inside a layer / chunk: traced whole
+                r = reps[sig]
+                add(piece(("layer",) + sig, r, r + 1, False, False, None, (), kind))
         if last:
-            pieces.append(piece(("head",), L, L, False, True))
+            # the LM head + MTP cross-entropy in token chunks, the MTP layer's MoE; the MTP's MLA on short documents
+            add(piece(("head",), L, L, False, True, None, (CE_CHUNK_TOKENS,) + (moe_chunk,), "mla"))
         saved, f_peak, b_peak = _compose(pieces)
-        if recompute:  # the chunk keeps only its inputs; its backward re-runs the forward (already in b_peak)
+        if chunk_rc:  # the chunk keeps only its inputs; its backward re-runs the forward (already in b_peak)
             saved, f_peak = 0, max(f for _, f, _ in pieces)
     recv = plan_bytes(plan, v - 1, B, T, d, dtype) if not first else 0
     grad_msg = plan_bytes(plan, v, B, T, d, dtype) if not last else 0
@@ -631,7 +760,9 @@ def ep_buffers(cfg: Config, model: nn.Module, ep: int, B: int, T: int) -> tuple[
     m = cfg.model
     es = 2 if cfg.train.dtype == "bfloat16" else 4
     n = m.num_experts // ep
-    send, recv = token_buffer_rows(B * T, m.num_experts_per_token, ep, n, cfg.parallel.moonep)
+    # one dispatch per token chunk of a LatentMoE (model.moe_token_chunk): the buffers hold one chunk's rows
+    n_tok = min(B * T, m.moe_token_chunk) if m.moe_token_chunk > 0 else B * T
+    send, recv = token_buffer_rows(n_tok, m.num_experts_per_token, ep, n, cfg.parallel.moonep)
     persistent = (send + recv) * m.expert_hidden_size * es
     replica = 3 * n * m.expert_hidden_size * m.moe_intermediate_size * es if cfg.parallel.moonep else 0
     if replica:
@@ -741,6 +872,10 @@ def estimate(cfg: Config, world_size: int, cache: Any = None, media: MediaCase |
     M = cfg.train.grad_accum_steps
     B, T = cfg.train.micro_batch_size, cfg.train.seq_len // C
     plan = AttnResCommPlan(part, pc.attnres_comm) if P > 1 else None
+    from k3train.planning.step_time import forwards_before_first_backward
+
+    in_flight = forwards_before_first_backward(resolve_schedule(pc.schedule, P, part.vpp) if P > 1 else "none", P,
+                                               part.vpp, M)
     if P > 1:
         from parallel.pipeline.p2p import build_programs
 
@@ -805,17 +940,25 @@ def estimate(cfg: Config, world_size: int, cache: Any = None, media: MediaCase |
                 cp_batches = {cr: (trace_batch(cfg, B, T, cr)[0], None, None, None) for cr in range(C)}
                 batch_src = trace_batch(cfg, 1, 1)[1]
             if not whole_traces(cfg, B, T):
-                batch_src = (f"per-layer traces at {'/'.join(str(t) for t in COMPOSE_TOKENS)} tokens, fitted "
-                             f"and composed for {B * T} tokens (one document per row)")
-        traces_cp: dict[int, dict[int, ChunkTrace]] = {}
-        for cr in range(C):
-            batch, batch_hi, row, row_hi = cp_batches[cr]
-            traces_cp[cr] = {c: trace_chunk(cfg, full, part, plan, part.stage(pp_rank, c) if P > 1 else 0, c,
-                                            batch, fake, piece_cache, batch_hi, cr, (row, row_hi), media,
-                                            getattr(cache, "deadline", None))
-                             for c in range(len(local_chunks))}
-        traces = traces_cp[0]
+                unit = "sublayer" if cfg.parallel.recompute_granularity == "sublayer" and pc.recompute else "layer"
+                batch_src = (f"per-{unit} traces (trace_chunk: 3 token counts each, in the token-chunked regime "
+                             f"of the MoE and the LM-head cross-entropy), fitted and composed for {B * T} tokens "
+                             "(one document per row; MLA on short documents)")
         params = _nbytes(list(model.parameters())) + _nbytes(list(model.buffers()))
+        traces_cp: dict[int, dict[int, ChunkTrace]] = {}
+        *fwd, _ = in_flight[pp_rank]
+        limit = getattr(cache, "limit", None)  # the device's bytes: what the stage's weights leave to one chunk
+        try:
+            for cr in range(C):
+                batch, batch_hi, row, row_hi = cp_batches[cr]
+                traces_cp[cr] = {c: trace_chunk(cfg, full, part, plan, part.stage(pp_rank, c) if P > 1 else 0, c,
+                                                batch, fake, piece_cache, batch_hi, cr, (row, row_hi), media,
+                                                getattr(cache, "deadline", None),
+                                                None if limit is None else limit - params, max(1, fwd.count(c)))
+                                 for c in range(len(local_chunks))}
+        except TraceTooBig as e:  # the rank holds its weights too
+            raise TraceTooBig(e.nbytes + params) from None
+        traces = traces_cp[0]
         ep_persist, replica, n_moe = ep_buffers(cfg, model, E, B, T)
         moe_per_chunk = {c: sum(1 for i in range(*local_chunks[c]) if _layer_is_moe(cfg, i))
                          for c in range(len(local_chunks))}

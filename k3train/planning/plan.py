@@ -3,7 +3,9 @@
 Order of work (cheapest first, every skip exact):
 
 1. :func:`k3train.planning.layouts.enumerate_layouts` -- every layout the run validation accepts.
-2. Static memory bound (:func:`step_time.static_memory_lower_bound`: weights + gradients + optimizer state alone)
+2. Static memory bound (:func:`step_time.static_memory_lower_bound`: weights + gradients + optimizer state, or
+   weights + optimizer state + the hidden-state partial sums of each forward the schedule runs before a rank's
+   first backward)
    above the device memory: infeasible, no trace (``fits: false, skipped: 'bound'``).
 3. Step-time lower bound (:func:`step_time.compute_lower_bound`) for the rest; layouts are taken in its order and
    simulated (:func:`step_time.predict`) -- branch and bound: once ``top`` layouts that FIT are known, a layout
@@ -33,7 +35,7 @@ from k3train.planning.devices import Device
 from k3train.planning.layouts import Layout, Validator, enumerate_layouts
 from k3train.planning.memory import TraceDeadline
 from k3train.planning.step_time import (ParamFacts, Prediction, compute_lower_bound, predict, single_program,
-                                        static_memory_lower_bound)
+                                        static_memory_lower_bound, forwards_before_first_backward)
 
 
 class EstimateCache:
@@ -48,6 +50,7 @@ class EstimateCache:
         self.results: dict[Layout, Any] = {}  # layout -> Estimate (a re-plan for another device traces nothing)
         self._full: dict[tuple, Any] = {}
         self.deadline: float | None = None  # estimate raises memory.TraceDeadline once time.perf_counter() passes it
+        self.limit: float | None = None  # ... and memory.TraceTooBig once one chunk's micro-batches hold more
 
     def full_model(self, cfg: Any, ep: int, fake: Any) -> Any:
         from k3train.planning.memory import build_full
@@ -73,6 +76,7 @@ class Row:
     fits: bool | None = None
     skipped: str = ""
     measured: dict[str, float] = field(default_factory=dict)  # measure_step's phases (``--measure``)
+    peak_is_bound: bool = False  # peak_bytes is a lower bound (the trace stopped once a chunk exceeded the device)
 
     @property
     def measured_step_s(self) -> float | None:
@@ -85,6 +89,7 @@ class Row:
 
     def as_json(self, cfg: Any, world: int, peak_flops: float) -> dict[str, Any]:
         return {"layout": asdict(self.layout), "fits": self.fits, "peak_bytes": self.peak_bytes,
+                "peak_is_lower_bound": self.peak_is_bound,
                 "stage_peak_bytes": self.stage_peaks or None, "memory_lower_bound_bytes": self.mem_bound,
                 "predicted_step_s": self.pred.step_s if self.pred else None,
                 "predicted_tokens_per_s": self.tokens_per_s(cfg),
@@ -165,21 +170,29 @@ class Planner:
         notes: list[str] = []
         t1 = time.perf_counter()
         # 2. static memory bound
-        bound_memo: dict[tuple, int] = {}  # the bound reads the partition, dp*cp, ep, zero, moonep only
+        bound_memo: dict[tuple, int] = {}  # the bound reads the partition, dp*cp, ep, zero, moonep, tokens, schedule
+        flight_memo: dict[tuple, list[list[int]]] = {}
         for r in rows:
             part = val.partition(r.cfg)
             L = r.layout
-            kb = (id(part), L.pp, L.dp * L.cp, L.ep, L.zero, L.moonep)
+            tokens = L.mbs * r.cfg.train.seq_len // L.cp
+            rc = r.cfg.parallel.recompute_granularity if L.recompute else None
+            n_mb = r.cfg.train.global_batch_size // (L.dp * L.mbs)
+            kb = (id(part), L.pp, L.dp * L.cp, L.ep, L.zero, L.moonep, tokens, rc, L.schedule, n_mb)
             if kb not in bound_memo:
+                sk = (L.schedule, L.pp, L.vpp, n_mb)
+                if sk not in flight_memo:
+                    flight_memo[sk] = forwards_before_first_backward(*sk)
                 bound_memo[kb] = static_memory_lower_bound(facts, r.cfg, part, L.pp, L.dp * L.cp, L.ep, L.zero,
-                                                           L.moonep)
+                                                           L.moonep, tokens, rc, flight_memo[sk])
             r.mem_bound = bound_memo[kb]
             if r.mem_bound > self.dev.hbm_bytes:
                 r.fits, r.skipped = False, "bound"
         n_bound = sum(r.skipped == "bound" for r in rows)
         if n_bound:
             notes.append(f"{n_bound} layouts exceed {self.dev.hbm_bytes / 2**30:.1f} GiB on weights + gradients + "
-                         f"optimizer state alone: dropped without a trace")
+                         f"optimizer state, or weights + optimizer state + the partial sums of each forward before "
+                         f"the first backward, alone: dropped without a trace")
         live = [r for r in rows if not r.skipped]
         for r in live:
             r.lower_bound_s = compute_lower_bound(r.cfg, r.layout, val.partition(r.cfg), self.dev, facts, self.lt,
@@ -251,7 +264,8 @@ class Planner:
                 self.cache.deadline = None
             t_mem += time.perf_counter() - ts
             n_traced += 1
-            self.log(f"  memory of {lay.short()}: {_gib(r.peak_bytes)} GiB ({'fits' if r.fits else 'too big'}), "
+            self.log(f"  memory of {lay.short()}: {'>' if r.peak_is_bound else ''}{_gib(r.peak_bytes)} GiB "
+                     f"({'fits' if r.fits else 'too big'}), "
                      f"predicted {r.pred.step_s:.4g} s [{time.perf_counter() - ts:.1f} s]")
             if r.fits:
                 fitting.append(r.pred.step_s)
@@ -329,10 +343,17 @@ class Planner:
         urgent.extendleft(reversed(nxt))
 
     def trace(self, r: Row) -> None:
-        from k3train.planning.memory import estimate
+        from k3train.planning.memory import TraceTooBig, estimate
 
         if r.layout not in self.cache.results:
-            self.cache.results[r.layout] = estimate(r.cfg, self.world, self.cache)
+            self.cache.limit = self.dev.hbm_bytes  # a chunk (+ the weights) over it: too big, no further traces
+            try:
+                self.cache.results[r.layout] = estimate(r.cfg, self.world, self.cache)
+            except TraceTooBig as e:
+                r.peak_bytes, r.stage_peaks, r.fits, r.peak_is_bound = e.nbytes, [], False, True
+                return
+            finally:
+                self.cache.limit = None
         est = self.cache.results[r.layout]
         r.peak_bytes = max(x.peak for x in est.ranks)
         r.stage_peaks = [max(x.peak for x in est.ranks if x.pp_rank == p) for p in range(r.layout.pp)]
@@ -415,7 +436,8 @@ def format_table(res: PlanResult, rows: list[Row]) -> str:
         meas = f"{r.measured_step_s:9.3f}" if r.measured_step_s is not None else f"{'':>9}"
         lines.append(f"{i:>3} {r.layout.short():<40} {p.step_s:9.4g} {tps:10.4g} {100 * mfu(r, cfg, W, res.device.peak_flops):5.1f}% "
                      f"{100 * p.bubble / p.step_s:5.1f}% {100 * p.exposed_comm / p.step_s:5.1f}% "
-                     f"{100 * p.optimizer / p.step_s:4.1f}% {_gib(r.peak_bytes):>9}  {stages:<24} {meas}")
+                     f"{100 * p.optimizer / p.step_s:4.1f}% {('>' if r.peak_is_bound else '') + _gib(r.peak_bytes):>9}"
+                     f"  {stages:<24} {meas}")
     return "\n".join(lines)
 
 

@@ -11,7 +11,8 @@ local work with the same output shapes and the same in-place writes as the real 
   builds every CP rank's KCP layout this way, so that the layout checks see the real documents);
 * ``reduce_scatter_single`` / ``reduce_scatter_tensor``: the output receives this rank's slice of the input;
 * ``all_reduce`` / ``broadcast``: nothing changes (the tensor is already the right size);
-* ``all_to_all_single``: the output receives the input (balanced routing: a rank receives what it sends);
+* ``all_to_all_single``: the output receives the input (balanced routing: a rank receives what it sends) --
+  with a :class:`SimBoard`, the real rows every thread-rank addressed to this one;
 * point-to-point (``P2POp`` + ``batch_isend_irecv``, ``isend`` / ``irecv``; MoonEP's replica weights and their
   gradients' reduce-back): a send does nothing, a receive zero-fills its tensor (the peer's values are unknown);
 * ``get_world_size`` / ``get_rank``: the SimGroup's.
@@ -82,8 +83,16 @@ def _scatter(out: torch.Tensor, inp: torch.Tensor, g: SimGroup) -> None:
     out.view(-1).copy_(inp.reshape(g.size, -1)[g.rank])
 
 
-def _all_to_all(out: torch.Tensor, inp: torch.Tensor, *_: Any, **__: Any) -> None:
-    if out.numel() == inp.numel():
+def _all_to_all(g: SimGroup, out: torch.Tensor, inp: torch.Tensor, out_splits: Any = None,
+                in_splits: Any = None) -> None:
+    if g.board is not None:  # thread-ranks: the real rows every rank addressed to this one, in rank order
+        rows = inp.shape[0]
+        splits = torch.tensor(list(in_splits) if in_splits is not None else [rows // g.size] * g.size)
+        inputs = g.board.all_gather(g.rank, inp)
+        every = g.board.all_gather(g.rank, splits)
+        pieces = [x.split(sp.tolist(), dim=0)[g.rank] for x, sp in zip(inputs, every)]
+        out.copy_(torch.cat(pieces).view(out.shape))
+    elif out.numel() == inp.numel():
         out.view(-1).copy_(inp.reshape(-1))
     else:  # unbalanced splits: the size came from the (simulated) split exchange; values are irrelevant
         out.zero_()
@@ -97,7 +106,8 @@ _SIMULATED: dict[str, tuple[int, Any]] = {
     "reduce_scatter_tensor": (3, lambda g, out, inp, *a, **k: _scatter(out, inp, g)),
     "all_reduce": (2, lambda g, t, *a, **k: None),
     "broadcast": (2, lambda g, t, *a, **k: None),
-    "all_to_all_single": (4, lambda g, out, inp, *a, **k: _all_to_all(out, inp)),
+    "all_to_all_single": (4, lambda g, out, inp, o_sp=None, i_sp=None, *a, **k: _all_to_all(
+        g, out, inp, k.get("output_split_sizes", o_sp), k.get("input_split_sizes", i_sp))),
     "barrier": (0, lambda g, *a, **k: None),
 }
 

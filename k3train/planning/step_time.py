@@ -6,7 +6,8 @@ Per virtual stage and micro-batch (``B = micro_batch_size`` rows of ``T = seq_le
 * compute: GPUs -- forward FLOPs of each layer from the project's partitioner cost model
   (``parallel.pipeline.partition.layer_cost / embed_cost / head_cost``: KDA, MLA, dense FFN, LatentMoE, AttnRes,
   LM head + MTP) x ``B*T`` at the device's achievable FLOP/s, backward = 2 x forward; the MLA attention term is taken
-  at the LAST context-parallel rank's mean context (``T_full - T/2``: MLA-CP's slowest rank). ``--device cpu`` --
+  at the slowest context-parallel rank's mean context: ``T_full / 2`` on every rank under ``parallel.mla_cp_balance``
+  (kcp/mla_cp.py), else the LAST rank's ``T_full - T/2``. ``--device cpu`` --
   measured per-layer times (:mod:`k3train.planning.layer_bench`). Full recomputation adds the forward to the
   backward. Plain EP (no MoonEP) multiplies the routed-expert share of a MoE layer by the routing skew (the most
   loaded EP rank's load over the mean; ``--ep-skew``, default 1.5 -- about what QB leaves early in training, see
@@ -17,8 +18,9 @@ Per virtual stage and micro-batch (``B = micro_batch_size`` rows of ``T = seq_le
   calls and bytes its dispatcher issued while the layers were timed (each call a ``Device.call_cost('p2p')``), on
   GPUs ``min(E/ep, ceil((skew-1) E/ep))`` experts of ``3 l f`` each; all of it exposed (the runtime issues it in
   line). KCP -- per KDA layer one all-gather of the ``B x H x dk x (dk+dv)`` fp32 pairs forward and one backward;
-  MLA-CP -- per MLA layer an all-gather of the
-  ``B x T x (kv_lora_rank + rope)`` latents forward and a reduce-scatter backward; KCP's short-convolution halo
+  MLA-CP -- per MLA layer an all-gather of the ``B x T x (kv_lora_rank + rope)`` latents forward and a
+  reduce-scatter backward, and under the causal balance two half-segment swaps each way (the layer's input and
+  output, ``B x T/2 x d`` with the partner rank ``cp-1-r``, the CP group's link); KCP's short-convolution halo
   and per-micro-batch layout exchange; the MTP layer's on the last stage. Ring formulas (``(n-1)`` latency
   steps, ``(n-1)/n x bytes`` per rank) on the link the group spans, plus ``Device.call_cost(kind)`` per call
   (cpu: what a small all-reduce costs while every rank of the host computes, ``devices.bench_loaded_collective``:
@@ -142,14 +144,45 @@ class ParamFacts:
         return d, e, big
 
 
+def forwards_before_first_backward(schedule: str, pp: int, vpp: int, num_microbatches: int) -> list[list[int]]:
+    """Per pipeline rank, the local chunks of the forwards it runs before its first backward, then that backward's
+    chunk last: the prefix of :func:`parallel.pipeline.schedules.build_schedule`'s action list up to the first
+    backward (``schedule`` 'none': one rank, one forward). Only that prefix is built (the planner asks for
+    thousands of (pp, vpp, micro-batches))."""
+    from parallel.pipeline.schedules import interleaved_prefix
+
+    M = num_microbatches
+    if pp == 1 or schedule == "none":
+        return [[0, 0]]
+    if schedule == "afab":
+        return [[c for c in range(vpp) for _ in range(M)] + [vpp - 1]] * pp
+    if schedule == "1f1b":
+        return [[0] * min(pp - r, M) + [0] for r in range(pp)]
+    return [interleaved_prefix(pp, vpp, r, M) for r in range(pp)]
+
+
 def static_memory_lower_bound(facts: ParamFacts, cfg: Any, part: Any, pp: int, dpcp: int, ep: int,
-                              zero: int, moonep: bool = False) -> int:
+                              zero: int, moonep: bool = False, tokens: int = 0, recompute: str | None = None,
+                              in_flight: list[list[int]] | None = None) -> int:
     """A lower bound on the worst rank's peak from parameters, gradients and optimizer state alone (the memory
     estimator's byte rules: parameter-dtype weights and gradients, fp32 master copies of non-fp32 weights, Muon 1
     / AdamW 2 fp32 states -- counted as Muon for all, a lower bound; owners' shares at least the mean). At ZeRO-2
     a chunk's gradients are whole from its first backward until they are reduce-scattered after its last one: the
     largest local chunk's full gradients are counted on top of the shards. With MoonEP, the replica pool's two
-    banks of one MoE layer's local experts (``E / ep`` of them) are always allocated."""
+    banks of one MoE layer's local experts (``E / ep`` of them) are always allocated.
+
+    ``tokens`` (a micro-batch's tokens on a rank, ``micro_batch_size x seq_len / cp``): every sublayer (token mixer,
+    FFN) makes a new ``[tokens, d]`` partial sum -- a source of the later layers' AttnRes aggregations, or the
+    standard residual stream -- that lives from its forward to its backward, recomputation or not
+    (tests/model/test_chunked_recompute.py: ``sublayer`` keeps about one hidden state per sublayer); without
+    recomputation (``recompute`` None) also each sublayer's normalised input, which its projections save (tiny,
+    measured: 46 hidden states per layer; ``sublayer`` 4.5, ``layer`` 1.2); under ``layer`` only each layer's
+    output stays (the mixer's partial sum is remade in the backward),
+    under ``chunk`` only the chunk's input, and the recomputed chunk's sublayers in its backward. ``in_flight``
+    (:func:`forwards_before_first_backward`): the forwards the schedule runs before a rank's first backward each
+    keep theirs; without it one forward of every local chunk. With the weights and optimizer state (no gradients:
+    those of the chunk may still be forming) that is a bound too, and at long context the one that rules layouts
+    out (a 1M row over few pipeline stages, or many micro-batches in flight)."""
     es = 2 if cfg.train.dtype == "bfloat16" else 4
     master = 4 if es != 4 else 0
     edp = max(1, dpcp // ep)
@@ -168,7 +201,14 @@ def static_memory_lower_bound(facts: ParamFacts, cfg: Any, part: Any, pp: int, d
         opt = n * (4 + master)
         if zero >= 1:
             opt = (d / dpcp + e / edp) * (4 + master)
-        best = max(best, n * es + grads + opt + pool)
+        spans = [e_ - s_ for s_, e_ in part.local_chunks(r)]
+        *fwd, first_b = in_flight[r] if in_flight is not None else [*range(len(spans)), len(spans) - 1]
+        if recompute == "chunk":
+            hidden = len(fwd) - 1 + 2 * spans[first_b]
+        else:
+            hidden = {"layer": 1, "sublayer": 2}.get(recompute, 4) * sum(spans[c] for c in fwd)
+        act = hidden * tokens * cfg.model.hidden_size * es
+        best = max(best, n * es + grads + opt + pool, n * es + opt + pool + act)
     return int(best)
 
 
@@ -241,7 +281,7 @@ def layer_compute(cfg: Any, dev: Device, lay: Any, layer_times: Any, skew: float
             layers.append([y * x for y in fb])
         return [y * s for y in t["embed"]], layers, [y * s for y in t["head"]]
     rate = dev.flops()
-    s_eff = 2 * Tfull - T - 1 if lay.cp > 1 else Tfull  # MLA: mean context of the last CP rank
+    s_eff = mla_context(cfg, lay.cp)
     layers = []
     for i in range(m.num_hidden_layers):
         c = layer_cost(m, i, s_eff if m.layer_kind(i) == "mla" else T)
@@ -253,6 +293,16 @@ def layer_compute(cfg: Any, dev: Device, lay: Any, layer_times: Any, skew: float
     return [e, 2 * e, 3 * e], layers, [h, 2 * h, 3 * h]
 
 
+def mla_context(cfg: Any, cp: int) -> int:
+    """The sequence length whose causal mean context the slowest CP rank's MLA queries see (``layer_cost``'s
+    ``seq_len``): the row's under ``parallel.mla_cp_balance`` (every rank computes ``T_full^2 / 2cp`` query-key
+    pairs, kcp/mla_cp.py), else ``2 T_full - T - 1`` (the last rank: mean context ``T_full - T/2``)."""
+    t_full = cfg.train.seq_len
+    if cp == 1 or cfg.parallel.mla_cp_balance:
+        return t_full
+    return 2 * t_full - t_full // cp - 1
+
+
 def comm_per_layer(cfg: Any, dev: Device, lay: Any, skew: float,
                    p2p: list[list[int]] | None = None) -> tuple[list[float], list[float]]:
     """Per layer (forward, backward) exposed EP / KCP / MLA-CP seconds per micro-batch (module docstring); the
@@ -261,6 +311,7 @@ def comm_per_layer(cfg: Any, dev: Device, lay: Any, skew: float,
     layer (and the MTP layer last) ``[calls, bytes]`` of MoonEP's point-to-point in the forward, then in the
     backward, as its dispatcher issued them for one micro-batch (``--device cpu``: counted while the layers are
     timed, k3train/planning/layer_bench.py); without it the replica transfers come from the skew."""
+    from k3train.model.chunking import head_ranges, token_ranges
     m = cfg.model
     es = 2 if cfg.train.dtype == "bfloat16" else 4
     B, T = lay.mbs, cfg.train.seq_len // lay.cp
@@ -277,9 +328,11 @@ def comm_per_layer(cfg: Any, dev: Device, lay: Any, skew: float,
             rows = N * m.num_experts_per_token
             sk = 1.0 if lay.moonep else skew
             # moonep/dispatcher.py: forward = routing-count all-gather + dispatch + combine all-to-all; backward
-            # = the two all-to-alls of the gradients
-            a2a = ring_time("all_to_all", 2 * rows * m.expert_hidden_size * es * sk, ep_ranks, dev, calls=2)
-            f += a2a + ring_time("all_gather", lay.ep * m.num_experts * 4, ep_ranks, dev)
+            # = the two all-to-alls of the gradients; once per token chunk of the layer (model.moe_token_chunk)
+            n_disp = len(token_ranges(N, m.moe_token_chunk))
+            a2a = ring_time("all_to_all", 2 * rows * m.expert_hidden_size * es * sk, ep_ranks, dev,
+                            calls=2 * n_disp)
+            f += a2a + ring_time("all_gather", n_disp * lay.ep * m.num_experts * 4, ep_ranks, dev, calls=n_disp)
             b += a2a
             if lay.moonep and p2p is not None and p2p[j] is not None:
                 fc, fbytes, bc, bbytes = p2p[j]
@@ -298,14 +351,23 @@ def comm_per_layer(cfg: Any, dev: Device, lay: Any, skew: float,
             if kind == "kda":
                 # kcp/halo.py: the short convolutions' halo (all-gather forward, reduce-scatter backward);
                 # kcp/kda_cp.py: the (M, S~) pairs all-gathered forward, their gradients all-gathered backward
+                # (once per head chunk of the layer: model.mixer_head_chunk, the same bytes in all)
+                hc = len(head_ranges(m.kda_num_heads, m.mixer_head_chunk))
                 pairs = lay.cp * B * m.kda_num_heads * m.kda_head_dim * (2 * m.kda_head_dim) * 4
                 halo = lay.cp * B * (m.short_conv_kernel_size - 1) * 3 * m.kda_num_heads * m.kda_head_dim * es
-                f += ring_time("all_gather", pairs, cp_ranks, dev) + ring_time("all_gather", halo, cp_ranks, dev)
-                b += ring_time("all_gather", pairs, cp_ranks, dev) + ring_time("reduce_scatter", halo, cp_ranks, dev)
+                f += (ring_time("all_gather", pairs, cp_ranks, dev, calls=hc)
+                      + ring_time("all_gather", halo, cp_ranks, dev, calls=hc))
+                b += (ring_time("all_gather", pairs, cp_ranks, dev, calls=hc)
+                      + ring_time("reduce_scatter", halo, cp_ranks, dev, calls=hc))
             else:
                 lat_b = B * T * lay.cp * (m.kv_lora_rank + m.qk_rope_head_dim) * es
                 f += ring_time("all_gather", lat_b, cp_ranks, dev)
                 b += ring_time("reduce_scatter", lat_b, cp_ranks, dev)
+                if cfg.parallel.mla_cp_balance:  # kcp/mla_cp.py: x out / y back forward, dy / dx backward
+                    lat, bwid = group_link(cp_ranks, dev)
+                    swap = dev.call_cost("all_to_all") + lat + B * (T - T // 2) * m.hidden_size * es / bwid
+                    f += 2 * swap
+                    b += 2 * swap
         fw.append(f)
         bw.append(b)
     if lay.cp > 1:  # kcp/context.py: the layout exchange of every micro-batch (shapes, document edges)
@@ -319,7 +381,7 @@ _MEMO: dict[tuple, Any] = {}
 def _layer_terms(cfg: Any, dev: Device, lay: Any, layer_times: Any, skew: float) -> tuple:
     """Memoised per-layer compute and communication of a layout's ``(mbs, cp, ep, moonep)``."""
     key = (id(cfg.model), id(dev), id(layer_times), skew, lay.mbs, lay.cp, lay.ep, lay.moonep, cfg.train.seq_len,
-           cfg.train.dtype)
+           cfg.train.dtype, cfg.parallel.mla_cp_balance)
     if key not in _MEMO:
         p2p = None
         if layer_times is not None and lay.moonep and lay.ep > 1:  # what MoonEP's dispatcher issued when timed

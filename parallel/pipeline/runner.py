@@ -56,7 +56,8 @@ from parallel.pipeline.p2p_programs import insert_encoder_computes
 from parallel.pipeline.partition import PipelinePartition, build_partition, describe_partition
 from parallel.pipeline.schedules import (Action, Message, build_schedule, forward_only_schedule, place_encoder,
                                          resolve_schedule, simulate, theoretical_bubble)
-from parallel.pipeline.stage import build_stage_model, chunk_param_groups, run_maybe_recomputed, shares_embedding
+from parallel.pipeline.stage import (build_stage_model, chunk_param_groups, recompute_chunk, recompute_unit,
+                                     run_maybe_recomputed, shares_embedding)
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,11 @@ class StepRunner:
         self.make_seq, self.on_chunk_backward_done, self.recompute = make_seq, on_chunk_backward_done, recompute
         if getattr(model, "vision", None) is not None:  # parallel.recompute: every ViT block checkpointed too
             model.vision.encoder.recompute_blocks = recompute
+        # what is recomputed at once (parallel.recompute_granularity): a whole chunk here (run_maybe_recomputed),
+        # or each layer / sublayer inside the model (K3Model.set_recompute)
+        self.recompute_chunk = recompute_chunk(cfg, recompute)
+        if hasattr(model, "set_recompute"):
+            model.set_recompute(recompute_unit(cfg, recompute))
         self.counter = ByteCounter()
         self.shared_embedding = shares_embedding(model, partition)
         self.refresh_params()
@@ -166,7 +172,7 @@ class LocalRunner(StepRunner):
         for mb, batch in enumerate(micro_batches):
             self.current = ("F", 0, mb)
             seq = self.make_seq(batch)  # outside recomputation: under CP it builds a collective context
-            sums = run_maybe_recomputed(functools.partial(self._run, batch, seq), self.recompute)
+            sums = run_maybe_recomputed(functools.partial(self._run, batch, seq), self.recompute_chunk)
             loss = norm(sums)
             self.current = ("B", 0, mb)
             loss.backward()
@@ -441,7 +447,7 @@ class PipelineRunner(StepRunner):
             state = model.forward_layers(state, s, e, seq)
             return self._last_stage(state, batch, seq) if last else state
 
-        out = run_maybe_recomputed(run, self.recompute)
+        out = run_maybe_recomputed(run, self.recompute_chunk)
         if last:
             loss = norm(out)
             self._add_sums(stats, out, loss)

@@ -105,18 +105,35 @@ def _one_f_one_b(pp: int, rank: int, M: int) -> list[Action]:
     return acts
 
 
+def _virtual(pp: int, vpp: int, k: int, forward: bool) -> Action:
+    """The interleaved schedule's k-th virtual micro-batch of a rank: groups of pp micro-batches per chunk
+    (schedule order, not placement: Action names the local chunk, the Placement maps it to a virtual stage)."""
+    group = pp * vpp
+    c = (k % group) // pp
+    m = (k // group) * pp + k % pp
+    return Action("F", c, m) if forward else Action("B", vpp - 1 - c, m)
+
+
+def _interleaved_warmup(pp: int, vpp: int, rank: int, M: int) -> int:
+    total = M * vpp
+    return total if M == pp else min(2 * (pp - rank - 1) + (vpp - 1) * pp, total)
+
+
+def interleaved_prefix(pp: int, vpp: int, rank: int, M: int) -> list[int]:
+    """The local chunks of the interleaved schedule's forwards on ``rank`` before its first backward, then that
+    backward's chunk (what :func:`_interleaved` runs first, without building the rest)."""
+    warmup = _interleaved_warmup(pp, vpp, rank, M)
+    n_fwd = warmup + (1 if warmup < M * vpp else 0)
+    return [_virtual(pp, vpp, k, True).chunk for k in range(n_fwd)] + [_virtual(pp, vpp, 0, False).chunk]
+
+
 def _interleaved(pp: int, vpp: int, rank: int, M: int) -> list[Action]:
     total = M * vpp
-    group = pp * vpp
 
     def virtual(k: int, forward: bool) -> Action:
-        # the k-th virtual micro-batch of this rank: groups of pp micro-batches per chunk (schedule order, not
-        # placement: Action names the local chunk, the Placement maps it to a virtual stage)
-        c = (k % group) // pp
-        m = (k // group) * pp + k % pp
-        return Action("F", c, m) if forward else Action("B", vpp - 1 - c, m)
+        return _virtual(pp, vpp, k, forward)
 
-    warmup = total if M == pp else min(2 * (pp - rank - 1) + (vpp - 1) * pp, total)
+    warmup = _interleaved_warmup(pp, vpp, rank, M)
     acts = [virtual(k, True) for k in range(warmup)]
     for i in range(total - warmup):
         acts += [virtual(warmup + i, True), virtual(i, False)]

@@ -127,3 +127,16 @@ def run_maybe_recomputed(fn: Callable[[], Any], recompute: bool) -> Any:
     from torch.utils.checkpoint import checkpoint
 
     return checkpoint(fn, use_reentrant=False)
+
+
+def recompute_unit(cfg: Any, recompute: bool) -> str | None:
+    """What the model recomputes itself (``K3Model.set_recompute``): ``"layer"`` / ``"sublayer"`` under
+    ``parallel.recompute`` with that ``recompute_granularity``, else None."""
+    gran = getattr(cfg.parallel, "recompute_granularity", "chunk")
+    return gran if recompute and gran in ("layer", "sublayer") else None
+
+
+def recompute_chunk(cfg: Any, recompute: bool) -> bool:
+    """Whether the runner recomputes each chunk whole (:func:`run_maybe_recomputed`): ``parallel.recompute`` with
+    ``recompute_granularity: chunk``."""
+    return recompute and recompute_unit(cfg, recompute) is None

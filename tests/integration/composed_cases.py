@@ -44,20 +44,27 @@ class Layout:
     ep: int = 1
     moonep: bool = True
     variant: str = "k3"  # a key of VARIANTS (the reference is built with the same)
+    seq_len: int = SEQ_LEN
+    gbs: int = GBS
+    extra: tuple[str, ...] = ()  # further overrides (recompute, chunk sizes); the reference runs without them
 
     def overrides(self) -> list[str]:
         return [*VARIANTS[self.variant],
                 f"--parallel.pp={self.pp}", f"--parallel.vpp={self.vpp}", f"--parallel.cp={self.cp}",
                 f"--parallel.ep={self.ep}", f"--parallel.moonep={str(self.moonep).lower()}",
-                f"--train.seq_len={SEQ_LEN}", f"--train.global_batch_size={GBS}",
+                f"--train.seq_len={self.seq_len}", f"--train.global_batch_size={self.gbs}",
                 f"--train.micro_batch_size={MBS}", "--train.device=cpu", "--train.dtype=float32",
-                f"--data.path={shipped_view('corpus_text_document')}"]
+                f"--model.max_position_embeddings={max(4096, self.seq_len)}",
+                f"--data.path={shipped_view('corpus_text_document')}", *self.extra]
 
 
-def make_cfg(layout: Layout | None = None, variant: str = "k3") -> Config:
+def make_cfg(layout: Layout | None = None, variant: str = "k3", seq_len: int = SEQ_LEN,
+             gbs: int = GBS, extra: tuple[str, ...] = ()) -> Config:
     """configs/tiny.yaml (8 layers: KDA x3, MLA, KDA x3, MLA; dense first layer, 7 LatentMoE; MTP) for ``layout``
-    (``None``: the single-process reference of model variant ``variant``)."""
-    over = layout.overrides() if layout is not None else Layout("ref", variant=variant).overrides()
+    (``None``: the single-process reference of model variant ``variant`` on ``gbs`` rows of ``seq_len``, ``extra``
+    overrides)."""
+    over = (layout.overrides() if layout is not None
+            else Layout("ref", variant=variant, seq_len=seq_len, gbs=gbs, extra=extra).overrides())
     return load_config(ROOT / "configs" / "tiny.yaml", over, world_size=WORLD if layout is not None else 1)
 
 
@@ -74,6 +81,19 @@ def kjv_global_batch(seq_len: int = SEQ_LEN, rows: int = GBS) -> Batch:
         ids = tok.encode(next(docs).text)[:n]
         stream.extend(ids + [tok.eos_id])
     samples = torch.tensor(stream[:need], dtype=torch.long).view(rows, seq_len + 1)
+    return Batch.from_samples(samples, eos_id=tok.eos_id)
+
+
+def kjv_single_document(seq_len: int) -> Batch:
+    """One row of ``seq_len + 1`` real tokens forming ONE document (KJV chapters run together, no EOS): a
+    document that spans every CP segment of the row."""
+    tok = load_tokenizer()
+    stream: list[int] = []
+    docs = read_documents(DEFAULT_CORPUS)
+    while len(stream) < seq_len + 1:
+        stream.extend(tok.encode(next(docs).text))
+    samples = torch.tensor(stream[:seq_len + 1], dtype=torch.long).view(1, seq_len + 1)
+    assert not bool((samples == tok.eos_id).any())
     return Batch.from_samples(samples, eos_id=tok.eos_id)
 
 

@@ -144,7 +144,11 @@ def check_halo(dims: ParallelDims, doc_ids: torch.Tensor, ctx: KCPContext, K: in
 
 
 def check_mla(dims: ParallelDims, doc_ids: torch.Tensor, positions: torch.Tensor, ctx: KCPContext) -> None:
-    """Masked attention over ``ctx.gather_latent`` keys against the same attention on the full rows."""
+    """Masked attention over ``ctx.gather_latent`` keys, on the queries ``ctx.mla_queries`` gives this rank and
+    with the outputs handed back by ``ctx.mla_outputs``, against the same attention on the full rows: values, the
+    kept keys and their ids, and the gradients of the queries and the latents. Without the causal balance a rank
+    keeps the prefix ``0..r`` and its own queries; with it (kcp/mla_cp.py) the segments ``0..max(r, p)`` and its
+    first half-segment + the partner ``p = cp - 1 - r``'s second."""
     cp, r = dims.cp, dims.cp_rank
     B, t_full = doc_ids.shape
     T = t_full // cp
@@ -160,17 +164,34 @@ def check_mla(dims: ParallelDims, doc_ids: torch.Tensor, positions: torch.Tensor
 
     lat_loc, q_loc = lat[:, sl].clone().requires_grad_(True), q[:, sl].clone().requires_grad_(True)
     keys, k_doc, k_pos = ctx.gather_latent(lat_loc)
-    # the causal prefix: ranks 0..r, in order, with their positions and doc ids (earlier ranks' keys: exact on
-    # the document this segment opens with, -1 elsewhere -- the same mask against this rank's queries)
-    torch.testing.assert_close(keys, lat[:, : (r + 1) * T], atol=0, rtol=0)
-    want_doc = torch.cat([seen_by(doc_ids[:, : r * T], doc_ids[:, r * T]), doc_ids[:, sl]], dim=1)
-    assert torch.equal(k_doc, want_doc) and torch.equal(k_pos, positions[:, : (r + 1) * T])
-    o = _masked_attention(q_loc, keys, doc_ids[:, sl], positions[:, sl], k_doc, k_pos)
+    p = cp - 1 - r if ctx.mla_balance else r
+    n = max(r, p) + 1
+    h = T // 2
+    # the kept keys: segments 0..n-1, in order, with their positions; their doc ids are exact wherever the
+    # document of a query of this rank (own segment or, balanced, the partner's) reaches, -1 elsewhere
+    torch.testing.assert_close(keys, lat[:, : n * T], atol=0, rtol=0)
+    assert torch.equal(k_pos, positions[:, : n * T])
+    for seg, view in ((r, seen_by(doc_ids[:, : r * T], doc_ids[:, r * T])), (p, seen_by(doc_ids[:, : p * T],
+                                                                                         doc_ids[:, p * T]))):
+        want = torch.cat([view, doc_ids[:, seg * T: (seg + 1) * T]], dim=1)
+        got = k_doc[:, : (seg + 1) * T]
+        assert bool(((got == want) | (want == -1)).all()) and bool((got[want != -1] == want[want != -1]).all())
+        other = got[want == -1]
+        assert bool(((other == -1) | (other == doc_ids[:, : (seg + 1) * T][want == -1])).all())  # true ids only
+    x_q, q_doc, q_pos = ctx.mla_queries(q_loc)
+    mine = torch.cat([torch.arange(r * T, r * T + h), torch.arange(p * T + h, (p + 1) * T)])
+    torch.testing.assert_close(x_q, q[:, mine], atol=0, rtol=0)
+    assert torch.equal(q_doc, doc_ids[:, mine]) and torch.equal(q_pos, positions[:, mine])
+    o = ctx.mla_outputs(_masked_attention(x_q, keys, q_doc, q_pos, k_doc, k_pos))
     (o * w_o[:, sl]).sum().backward()
     torch.testing.assert_close(o, o_ref[:, sl], atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(q_loc.grad, q_ref.grad[:, sl], atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(lat_loc.grad, lat_ref.grad[:, sl], atol=1e-6, rtol=1e-6)
     assert ctx.stats.bytes["mla_fwd"] == ctx.stats.bytes["mla_bwd"] == (cp - 1) * B * T * L * 4
+    if ctx.mla_balance:  # the queries' input and the outputs swapped forward, their gradients backward
+        assert ctx.stats.bytes["mla_swap_fwd"] == ctx.stats.bytes["mla_swap_bwd"] == 2 * B * (T - h) * L * 4
+    else:
+        assert "mla_swap_fwd" not in ctx.stats.bytes
 
 
 def check_halo_and_mla(dims: ParallelDims, rows: list[list[int]]) -> None:
@@ -183,3 +204,4 @@ def check_halo_and_mla(dims: ParallelDims, rows: list[list[int]]) -> None:
     ctx = KCPContext(dims, doc_ids[:, sl], positions[:, sl])
     check_halo(dims, doc_ids, ctx)
     check_mla(dims, doc_ids, positions, ctx)
+    check_mla(dims, doc_ids, positions, KCPContext(dims, doc_ids[:, sl], positions[:, sl], mla_balance=False))

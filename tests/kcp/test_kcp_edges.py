@@ -54,9 +54,13 @@ def _body(rank: int, world: int) -> None:
         for t_full, rows in ((64, LAYOUTS["short_docs"]), (64, LAYOUTS["one_doc"]), (256, [[256], [3, 250, 3]])):
             T = t_full // world
             doc_ids = doc_ids_from_lengths(rows, t_full)[:, rank * T:(rank + 1) * T]
-            ctx = KCPContext(group, doc_ids)
-            # fixed size: the [B, T] shape and one [B, 5] summary per rank, whatever T and the documents
-            assert ctx.stats.bytes["layout"] == (world - 1) * (2 + 2 * len(EDGE_FIELDS)) * 8, ctx.stats.bytes
+            for balance in (False, True):
+                ctx = KCPContext(group, doc_ids, mla_balance=balance)
+                # fixed size: the [B, T] shape and one [B, 5] summary per rank, whatever T and the documents; with
+                # the MLA causal balance (kcp/mla_cp.py) also the [B, T] doc ids swapped with the balance partner
+                swap = doc_ids.numel() * 8 if balance else 0
+                assert ctx.stats.bytes["layout"] == (world - 1) * (2 + 2 * len(EDGE_FIELDS)) * 8 + swap, \
+                    (balance, ctx.stats.bytes)
         # malformed input on ONE rank (decreasing doc ids): every rank raises, and the group stays in step
         bad = torch.tensor([[0, 0, 1, 1]] * 2) if rank else torch.tensor([[0, 0, 1, 1], [0, 1, 0, 1]])
         with pytest.raises(ValueError, match=r"non-decreasing doc ids"):

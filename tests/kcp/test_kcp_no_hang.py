@@ -34,7 +34,7 @@ def isolated_ranks(docs: SegmentDocs) -> list[int]:
 def _body(rank: int, world_size: int) -> None:
     dims = ParallelDims(cp=world_size, world_size=world_size, rank=rank).build_groups()
     cp_ranks = dims.ranks("cp")
-    expected = {"all_gather_single": 0, "reduce_scatter_single": 0}
+    expected = {"all_gather_single": 0, "reduce_scatter_single": 0, "all_to_all_single": 0}
     covered_hang = False
     with trace_collectives() as trace:
         for i, (name, rows) in enumerate(sorted(HANG_LAYOUTS[world_size].items())):
@@ -43,10 +43,13 @@ def _body(rank: int, world_size: int) -> None:
             check_halo_and_mla(dims, rows)
             isolated = isolated_ranks(ctx.docs)
             covered_hang |= ctx.plan.any_chain and bool(isolated)
-            # two contexts (2 layout gathers each), KDA pairs + entry gradients when some document crosses,
-            # halo and MLA gathers forward, their reduce-scatters backward -- identical on every rank
-            expected["all_gather_single"] += 4 + (2 if ctx.plan.any_chain else 0) + 2
-            expected["reduce_scatter_single"] += 2
+            # three contexts (2 layout gathers each), KDA pairs + entry gradients when some document crosses,
+            # the halo and two MLA gathers (balanced and not) forward, their reduce-scatters backward; each balanced
+            # context's doc-id exchange with its partner (two of them) and the query/output swaps, two each way --
+            # identical on every rank (the middle rank of cp = 3 swaps with itself)
+            expected["all_gather_single"] += 6 + (2 if ctx.plan.any_chain else 0) + 3
+            expected["reduce_scatter_single"] += 3
+            expected["all_to_all_single"] += 2 + 4
     assert covered_hang, "no layout has an isolated segment next to a carried state: the test lost its point"
     for op, n in expected.items():
         assert trace.count(op, group=cp_ranks) == n, (op, trace.count(op, group=cp_ranks), n)

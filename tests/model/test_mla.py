@@ -133,6 +133,12 @@ class _LatentGatherCP:
         return (torch.cat([self.lat, latent], 1), torch.cat([self.doc, self.seq.doc_ids], 1),
                 torch.cat([self.pos, self.seq.positions], 1))
 
+    def mla_queries(self, x):  # the last rank's own queries (no causal balance in one process)
+        return x, self.seq.doc_ids, self.seq.positions
+
+    def mla_outputs(self, y):
+        return y
+
 
 def test_mla_cp_gather_latent_seam():
     m = _mla()

@@ -152,6 +152,12 @@ def test_mla_module_blockwise_equals_dense_reference(case):
                 early = m.kv_a_proj_with_mqa(x[:, : Tk - Tq])
                 return torch.cat([early, latent], 1), mask.k_doc, mask.k_pos
 
+            def mla_queries(self, xq):  # this rank's own queries (no causal balance in one process)
+                return xq, mask.q_doc, mask.q_pos
+
+            def mla_outputs(self, y):
+                return y
+
         seq = SeqInfo.from_doc_ids(mask.q_doc, mask.q_pos, cp=_CP() if Tq < Tk else None)
         y = m(x[:, Tk - Tq:], seq)
         gy = torch.randn(y.shape, generator=g, dtype=F64)

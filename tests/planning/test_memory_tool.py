@@ -41,8 +41,13 @@ def _limit_memory() -> None:
 SHORT = ["--train.seq_len=64", "--train.global_batch_size=4", f"--data.path={shipped_view('corpus_text_document')}"]
 LAYOUTS = {
     "pp2_vpp2_uneven": ["--parallel.pp=2", "--parallel.vpp=2", "--parallel.pp_layers=[3,1,2,2]"],
-    "dp2_ep2_zero2_moonep": ["--parallel.dp=2", "--parallel.ep=2", "--parallel.zero=2", "--parallel.moonep=true"],
-    "cp2_recompute": ["--parallel.cp=2", "--parallel.recompute=true"],  # the real KCP context, collectives simulated
+    # whole-chunk recomputation (recompute_granularity: chunk) through MoonEP's dispatcher
+    "dp2_ep2_zero2_moonep": ["--parallel.dp=2", "--parallel.ep=2", "--parallel.zero=2", "--parallel.moonep=true",
+                             "--parallel.recompute=true"],
+    # the real KCP context (MLA causal balance), collectives simulated; the long-context paths: every sublayer, head
+    # chunk (2 of 4 heads) and MoE token chunk (4 of 16 tokens per rank) recomputed on its own
+    "cp2_recompute": ["--parallel.cp=2", "--parallel.recompute=true", "--parallel.recompute_granularity=sublayer",
+                      "--model.mixer_head_chunk=2", "--model.moe_token_chunk=16"],
 }
 VL = str(ROOT / "configs" / "tiny-vl.yaml")
 # every slow tool run of this file (its arguments; PREEXEC: what runs in the child first), longest first: the order

@@ -260,3 +260,25 @@ def test_too_big_marks_what_holds_more_and_descends_depth_first():
     marked, urgent = follow(rc)  # keeping every activation holds more than recomputing: the same without rc
     assert marked == {replace(rc, zero=0), base, replace(base, zero=0), replace(base, mbs=4), replace(base, ep=1)}
     assert urgent[0] == replace(rc, mbs=1)
+
+
+def test_forwards_before_first_backward_is_the_schedule_prefix():
+    """The static memory bound's forwards in flight (built without the whole schedule) are the prefix of every
+    rank's action list up to its first backward, then that backward's chunk."""
+    from k3train.config import ConfigError
+    from k3train.planning.step_time import forwards_before_first_backward
+    from parallel.pipeline.schedules import build_schedule, check_schedule
+
+    n = 0
+    for sched, pp, vpp, M in itertools.product(("afab", "1f1b", "interleaved"), (2, 3, 4), (1, 2, 3), (1, 2, 4, 8)):
+        try:
+            check_schedule(sched, pp, vpp, M)
+        except ConfigError:
+            continue
+        want = []
+        for acts in build_schedule(sched, pp, vpp, M):
+            first_b = next(a for a in acts if a.kind == "B")
+            want.append([a.chunk for a in acts[:acts.index(first_b)] if a.kind == "F"] + [first_b.chunk])
+        assert forwards_before_first_backward(sched, pp, vpp, M) == want, (sched, pp, vpp, M)
+        n += 1
+    assert n > 40

@@ -122,6 +122,24 @@ def test_run_settings_are_checked(arg, key):
         load_config(TINY, [arg])
 
 
+@pytest.mark.parametrize("args,key,needle", [
+    (["--model.moe_token_chunk=0"], "model.moe_token_chunk", "must be a positive integer"),
+    (["--model.moe_token_chunk=-8"], "model.moe_token_chunk", "must be a positive integer"),
+    (["--model.mla_block_size=0"], "model.mla_block_size", "must be a positive integer"),
+    (["--model.mixer_head_chunk=-1"], "model.mixer_head_chunk", ">= 0"),
+    (["--parallel.recompute_granularity=token"], "parallel.recompute_granularity", "chunk, layer, sublayer"),
+    (["--parallel.cp=3", "--train.seq_len=128"], "train.seq_len", "not divisible by cp=3"),
+    (["--train.seq_len=65536"], "train.seq_len", "exceeds model.max_position_embeddings=4096"),
+])
+def test_long_context_settings_are_checked(args, key, needle):
+    """Long-context settings (README "Long context"): one line naming the key, raised by the one validation
+    every entry point runs (Config.validate), before anything is built."""
+    with pytest.raises(ConfigError) as e:
+        load_config(TINY, args)
+    msg = str(e.value)
+    assert msg.startswith(f"{key}: ") and needle in msg and len(msg.splitlines()) == 1, msg
+
+
 @pytest.mark.parametrize("split,ok", [
     ("98,2,0", (98.0, 2.0, 0.0)), (" 1, 0 ,0 ", (1.0, 0.0, 0.0)), ("0.5,0.25,0.25", (0.5, 0.25, 0.25)),
     ("100", None), ("98,2", None), ("1,1,1,1", None), ("a,b,c", None), ("98-2-0", None), ("0,0,0", None),
