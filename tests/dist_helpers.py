@@ -1,4 +1,4 @@
-"""Spawn N gloo ranks on CPU and fail the calling test on any rank's error.
+"""Start N gloo ranks on CPU and fail the calling test on any rank's error.
 
 Usage::
 
@@ -11,10 +11,18 @@ Usage::
 The body must be a module-level function (it is pickled). Each rank's exception is sent back with its
 traceback; a rank that dies without reporting (killed by a signal, ``os._exit``) is named with its exit code;
 a hung collective raises after 3/4 of ``timeout`` and the whole run is killed after ``timeout`` s.
+
+The ranks are forked from a multiprocessing fork server that imported torch and the library once per session
+(``PRELOAD``), not spawned: a spawned rank spent 2-3 s of CPU importing torch and k3train before its first line,
+which on 2 cores was most of the wall time of the suite's distributed tests. A rank is still a fresh process of
+its own (its own gloo process group, memory, exit code) forked from an interpreter that only imported those
+modules -- what a spawned rank holds after its imports -- and it gets the caller's environment as it is at the
+call (a forked server's would be the one of its start), its working directory and ``sys.path``.
 """
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import signal
 import socket
@@ -28,6 +36,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT_S = 480.0
+# imported once in the fork server (an import error there is ignored: the rank then imports it itself)
+PRELOAD = ["torch", "torch.distributed", "k3train.trainer"]
 
 
 def free_port() -> int:
@@ -36,11 +46,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, q: Any, timeout: float) -> None:
+def _worker(rank: int, world_size: int, port: int, payload: bytes, q: Any, timeout: float,
+            env: dict[str, str]) -> None:
+    os.environ.clear()  # the caller's environment at the call, not the fork server's
+    os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     try:
+        fn, args = pickle.loads(payload)
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout))
         fn(rank, world_size, *args)
@@ -65,17 +79,22 @@ def _exit_status(code: int | None) -> str:
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S) -> None:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned gloo ranks; fail on the first problem.
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo ranks (processes forked from the fork server);
+    fail on the first problem.
 
     ``timeout``: the whole run's deadline (the default leaves room for a loaded 2-core CI machine and still ends
     before pytest-timeout's 600 s, so the message below -- not a bare timeout -- is what a hang produces). Each
     collective may wait 3/4 of it, so a rank stuck in one raises (naming it) before the deadline. A failure names
     the rank and what happened to it: an exception (with its traceback), a rank that died without reporting (a
     signal, ``os._exit``, a segfault: its exit code), or ranks still running at the deadline."""
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server starts (the session's first call)
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, q, 0.75 * timeout))
+    # the body and its arguments by value (plain pickle: tensors as bytes), not as torch.multiprocessing's shared
+    # memory handles: the fork server passes at most 253 file descriptors per process, one per shared tensor
+    payload = pickle.dumps((fn, args))
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, payload, q, 0.75 * timeout, dict(os.environ)))
              for r in range(world_size)]
     for p in procs:
         p.start()
