@@ -17,15 +17,19 @@ The ranks are forked from a multiprocessing fork server that imported torch and 
 which on 2 cores was most of the wall time of the suite's distributed tests. A rank is still a fresh process of
 its own (its own gloo process group, memory, exit code) forked from an interpreter that only imported those
 modules -- what a spawned rank holds after its imports -- and it gets the caller's environment as it is at the
-call (a forked server's would be the one of its start), its working directory and ``sys.path``.
+call (a forked server's would be the one of its start), its working directory and ``sys.path``; what it prints
+is shown on the caller's stdout once the ranks ended.
 """
 from __future__ import annotations
 
 import os
 import pickle
 import queue
+import shutil
 import signal
 import socket
+import sys
+import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -47,9 +51,13 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, port: int, payload: bytes, q: Any, timeout: float,
-            env: dict[str, str]) -> None:
+            env: dict[str, str], log: str) -> None:
     os.environ.clear()  # the caller's environment at the call, not the fork server's
     os.environ.update(env)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)  # stdout and stderr: the caller shows them
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
@@ -65,6 +73,19 @@ def _worker(rank: int, world_size: int, port: int, payload: bytes, q: Any, timeo
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def _show_output(logs: str, world_size: int) -> None:
+    """What the ranks printed, on this process's stdout (pytest shows it with the test: the fork server's own
+    stdout is the one of the test that started it)."""
+    for r in range(world_size):
+        path = os.path.join(logs, f"{r}.log")
+        text = open(path, errors="replace").read() if os.path.exists(path) else ""
+        if text:
+            print(f"----- rank {r} stdout/stderr -----\n{text}", end="" if text.endswith("\n") else "\n")
+    shutil.rmtree(logs, ignore_errors=True)
 
 
 def _exit_status(code: int | None) -> str:
@@ -94,7 +115,9 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     # the body and its arguments by value (plain pickle: tensors as bytes), not as torch.multiprocessing's shared
     # memory handles: the fork server passes at most 253 file descriptors per process, one per shared tensor
     payload = pickle.dumps((fn, args))
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, payload, q, 0.75 * timeout, dict(os.environ)))
+    logs = tempfile.mkdtemp(prefix="k3train-test-ranks-")
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, payload, q, 0.75 * timeout, dict(os.environ),
+                                               f"{logs}/{r}.log"))
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -135,6 +158,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
                 p.kill()
                 p.join()
                 killed.add(r)
+        _show_output(logs, world_size)
     drain(0.1)  # errors put by ranks that failed while we were joining
     # the root cause first: a rank that died on its own (its peers' errors are consequences)
     problems = [f"rank {r} died without reporting: {_exit_status(p.exitcode)}" for r, p in enumerate(procs)
