@@ -7,7 +7,8 @@ B's -- must equal the uninterrupted single-process ``N``-step run (same toleranc
 global batch of a step is layout-independent, only fp32 summation order differs). The cases move the model,
 optimizer state (ZeRO shards, routed-expert DTensor shards, the MTP embedding replica), data position and router
 biases between layouts: pp=2 x vpp=2 -> dp=2 with ZeRO-2; dp=2 x ep=2 (MoonEP, ZeRO-2) -> one process; cp=2 ->
-one process.
+one process. The first two layout-A runs are those test_train_e2e.py resumes in their own layout (the
+``stopped_at_2`` fixture of conftest.py: made once).
 """
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ from train_helpers import FAST, assert_ok, assert_same_run, read_metrics, run_tr
 from train_helpers import STRAIGHT_STEPS as N
 
 K = 2  # N = 4: step 3's update is B's first with A's optimizer state, step 4's loss shows it
-CASES = {  # name: (layout A, nproc A, layout B, nproc B)
-    "pp2_vpp2_to_dp2": (["--parallel.pp=2", "--parallel.vpp=2"], 2, ["--parallel.zero=2"], 2),
-    "dp2_ep2_to_ep1": (["--parallel.ep=2", "--parallel.zero=2"], 2, [], 0),
+CASES = {  # name: (layout A, nproc A, layout B, nproc B); layout A by name: a `stopped_at_2` run (conftest.py),
+    #          the run test_train_e2e.py resumes in layout A itself (made once for both)
+    "pp2_vpp2_to_dp2": ("pp2_vpp2", None, ["--parallel.zero=2"], 2),
+    "dp2_ep2_to_ep1": ("dp2_ep2", None, [], 0),
     "cp2_to_cp1": (["--parallel.cp=2"], 2, [], 0),
 }
 
@@ -33,11 +35,14 @@ def _args(prefix, out, *extra):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_resume_into_another_layout_continues_the_run(corpus_prefix, tmp_path, straight, case):
+def test_resume_into_another_layout_continues_the_run(corpus_prefix, tmp_path, straight, stopped_at_2, case):
     layout_a, nproc_a, layout_b, nproc_b = CASES[case]
     out = tmp_path / case
-    assert_ok(run_train(_args(corpus_prefix, out, f"--train.stop_at_step={K}", "--checkpoint.resume=auto", *layout_a),
-                  nproc=nproc_a))
+    if isinstance(layout_a, str):
+        stopped_at_2(layout_a, out)
+    else:
+        assert_ok(run_train(_args(corpus_prefix, out, f"--train.stop_at_step={K}", "--checkpoint.resume=auto",
+                                  *layout_a), nproc=nproc_a))
     assert [r["step"] for r in read_metrics(out)] == list(range(1, K + 1))
     assert (out / "checkpoints" / f"step_{K:08d}" / "COMPLETE").is_file()
     res = run_train(_args(corpus_prefix, out, "--checkpoint.resume=auto", *layout_b), nproc=nproc_b)

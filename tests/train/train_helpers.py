@@ -20,6 +20,12 @@ FAST = ["--train.seq_len=64", "--train.global_batch_size=4", "--train.micro_batc
 # steps of the shared single-process reference run (the `straight` fixture of tests/train/conftest.py): a resumed run
 # stops at 2 and resumes; step 3's update is the first with the loaded optimizer state, and step 4's loss shows it
 STRAIGHT_STEPS = 4
+# the layouts that runs stopped after step 2 were made in (the `stopped_at_2` fixture; resumed by test_train_e2e.py
+# in the same layout, by test_resume_layouts.py in another): name -> (overrides, nproc)
+STOP_LAYOUTS = {
+    "pp2_vpp2": (["--parallel.pp=2", "--parallel.vpp=2", "--train.micro_batch_size=1", "--checkpoint.interval=1"], 2),
+    "dp2_ep2": (["--parallel.ep=2", "--parallel.zero=2"], 2),
+}
 
 
 def assert_same_run(got: list[dict], ref: list[dict], what: object = "") -> None:
