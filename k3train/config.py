@@ -212,6 +212,14 @@ class TrainConfig:
     # qat_activations "mxfp8" (the expert matmuls' activation operands in E4M3, 32 per scale)
     qat: str = "none"
     qat_activations: str = "none"
+    # what the run trains (k3train/draft/): "lm" (the model on next-token + MTP prediction) | "eagle3" (an EAGLE-3
+    # draft fine-tuned from the MTP layer of a trained, frozen target: checkpoint.target; k3train/model/eagle3.py)
+    objective: str = "lm"
+    draft_loss: str = "lk"  # eagle3: "lk" (-log sum_x min(p, q): the acceptance rate) | "kl" (KL(p || q))
+    draft_steps: int = 7  # eagle3: steps of the training-time test (tokens of a drafted chain)
+    # eagle3: the completed AttnRes blocks (1-based) whose outputs are the draft's low and middle features; the high
+    # feature is the final AttnRes aggregation (what the MTP layer reads). K3: blocks 1 and 4
+    draft_feature_blocks: list[int] = field(default_factory=lambda: [1, 4])
     # derived
     grad_accum_steps: int = field(default=0, metadata={"derived": True})
 
@@ -276,6 +284,9 @@ class CheckpointConfig:
     # resume=PATH older than checkpoints beside it) is refused; true MOVES that data into previous-N/ instead
     overwrite: bool = False
     async_save: bool = False  # write checkpoints in a background thread (DCP async_save); training goes on
+    # train.objective=eagle3: the frozen target, a complete checkpoint (step directory) of a k3train run of this
+    # model with an MTP layer; read once at the start (not when the draft run resumes from its own checkpoint)
+    target: str = ""
     # on SIGTERM/SIGINT every rank stops at the same step boundary and saves it; if that save has not finished
     # this many seconds after the signal, the rank exits and the last complete checkpoint stays. Keep it under
     # the scheduler's grace period and torchrun's --shutdown-timeout (30 s by default), after which come SIGKILLs
@@ -550,6 +561,16 @@ class Config:
                      f"{t.qat} quantizes the routed experts in blocks of 32 along their reduction dims, but "
                      f"model.{k}={v} is not a multiple of 32", "train.qat", f"model.{k}")
 
+        # EAGLE-3 draft training (k3train/draft/, k3train/model/eagle3.py); the target checkpoint itself is checked
+        # in preflight (k3train/draft/target.py)
+        need(t.objective in ("lm", "eagle3"), "train.objective", f"must be 'lm' or 'eagle3', got {t.objective!r}")
+        if t.objective == "eagle3":
+            self._validate_eagle3(need)
+        else:
+            need(not self.checkpoint.target, "checkpoint.target",
+                 f"is read only by train.objective=eagle3 (the draft's frozen target), but train.objective="
+                 f"{t.objective}", "checkpoint.target", "train.objective")
+
         # optim
         need(o.name in ("muon", "adamw"), "optim.name", f"must be 'muon' or 'adamw', got {o.name!r}")
         need(o.schedule in ("cosine", "wsd", "constant"), "optim.schedule", "must be 'cosine', 'wsd' or 'constant'")
@@ -635,6 +656,27 @@ class Config:
                  f"vision.enabled needs a placeholder id in [0, vocab_size={m.vocab_size}), got "
                  f"{m.media_placeholder_token_id}", "model.media_placeholder_token_id", "vision.enabled")
         return self
+
+    def _validate_eagle3(self, need: Any) -> None:
+        """``train.objective=eagle3``: what the draft needs of the config (the target checkpoint is preflight's)."""
+        m, t, p = self.model, self.train, self.parallel
+        need(bool(self.checkpoint.target), "checkpoint.target",
+             "train.objective=eagle3 needs the frozen target: checkpoint.target=PATH, a complete checkpoint (step "
+             "directory) of a trained k3train run of this model", "train.objective", "checkpoint.target")
+        need(t.draft_loss in ("lk", "kl"), "train.draft_loss", f"must be 'lk' or 'kl', got {t.draft_loss!r}")
+        need(t.draft_steps >= 1, "train.draft_steps", f"must be >= 1, got {t.draft_steps}")
+        need(m.num_nextn_predict_layers == 1, "model.num_nextn_predict_layers",
+             "train.objective=eagle3 fine-tunes the MTP layer into the draft: the model needs one (1)",
+             "model.num_nextn_predict_layers", "train.objective")
+        need(m.residual == "attnres", "model.residual",
+             "train.objective=eagle3 reads the draft's features from the AttnRes blocks (model.residual=attnres)",
+             "model.residual", "train.objective")
+        blocks, done = t.draft_feature_blocks, m.num_hidden_layers // m.attn_res_block_size
+        need(len(blocks) == 2 and all(1 <= b <= done for b in blocks), "train.draft_feature_blocks",
+             f"needs two completed AttnRes blocks in 1..{done} ({m.num_hidden_layers} layers in blocks of "
+             f"{m.attn_res_block_size}), got {blocks}", "train.draft_feature_blocks", "model.attn_res_block_size")
+        need(p.cp == 1, "parallel.cp", "train.objective=eagle3 (the draft's training-time test) does not run under "
+             "context parallelism; use parallel.cp=1", "parallel.cp", "train.objective")
 
     def to_dict(self) -> dict[str, Any]:
         """Settable fields per section, plus a ``derived`` section (ignored when loaded back)."""

@@ -171,8 +171,14 @@ class MetricsLogger:
     def log(self, rec: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        # strict JSON: a skipped step's NaN/inf loss is written as null (json.dumps would write NaN)
-        strict = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in rec.items()}
+        # strict JSON: a skipped step's NaN/inf loss is written as null (json.dumps would write NaN), also inside a
+        # list (an EAGLE-3 run's per-step draft_accept)
+        def finite(v: Any) -> Any:
+            if isinstance(v, list):
+                return [finite(x) for x in v]
+            return None if isinstance(v, float) and not math.isfinite(v) else v
+
+        strict = {k: finite(v) for k, v in rec.items()}
         self._f.write(json.dumps(strict, allow_nan=False) + "\n")
         self._f.flush()
         if self.wandb is not None:
@@ -193,6 +199,9 @@ class MetricsLogger:
                      f"{rec['ep_load_max_over_mean_after']:.2f}")
         if "val_loss" in rec:
             line += f" | val_loss {rec['val_loss']:.4f}"
+        for k, name in (("draft_accept_len", "accept len"), ("val_draft_accept_len", "val accept len")):
+            if k in rec:  # an EAGLE-3 draft run (k3train/draft/objective.py)
+                line += f" | {name} {rec[k]:.3f}"
         if rec.get("skipped"):
             line += " | SKIPPED (non-finite)"
         print(line, flush=True)

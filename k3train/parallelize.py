@@ -70,6 +70,7 @@ class ParallelModel:
     runner: StepRunner
     ep_state: Any = None
     flops_per_token: float = 0.0
+    draft: Any = None  # train.objective=eagle3: the DraftObjective (k3train/draft/objective.py); the target frozen
 
     @property
     def model(self) -> nn.Module:
@@ -101,7 +102,12 @@ class ParallelModel:
 
         if self.cfg.model.num_experts == 0:
             return {}, {}
-        m = sync_router_balance(self.modules, self.dims)
+        if self.draft is not None:  # a frozen target's routers keep their biases: only the draft's is balanced
+            from k3train.draft import draft_modules
+
+            m = sync_router_balance(draft_modules(self.model), self.dims)
+        else:
+            m = sync_router_balance(self.modules, self.dims)
         worst = {"moe_maxvio": float(m.get("router/maxvio_max", 0.0))}
         totals: dict[str, float] = {}
         if self.dims.ep > 1:
@@ -216,8 +222,17 @@ def log_moe_layers(modules: list[nn.Module], dims: ParallelDims, moonep: bool) -
 
 
 def parallelize(cfg: Config, dims: ParallelDims, device: torch.device) -> ParallelModel:
-    """Build this rank's part of the model with every parallel dimension applied (collective)."""
-    runner = build_step_runner(None, cfg, dims, make_seq=make_seq_builder(cfg, dims), device=device,
+    """Build this rank's part of the model with every parallel dimension applied (collective). For
+    ``train.objective=eagle3`` the model carries the draft's ``W_E3`` and everything but the draft is frozen
+    (k3train/draft/objective.py); the target's weights are loaded by the trainer."""
+    eagle3 = cfg.train.objective == "eagle3"
+    factory = None
+    if eagle3:
+        from k3train.model.model import K3Model
+
+        def factory() -> nn.Module:
+            return K3Model(cfg.model, cfg.vision, eagle3=True)
+    runner = build_step_runner(factory, cfg, dims, make_seq=make_seq_builder(cfg, dims), device=device,
                                num_microbatches=cfg.train.grad_accum_steps)
     ep_state = None
     if cfg.model.num_experts > 0:
@@ -234,5 +249,13 @@ def parallelize(cfg: Config, dims: ParallelDims, device: torch.device) -> Parall
                          cfg.train.qat, cfg.train.qat_activations, n_qat)
     if cfg.train.dtype == "bfloat16":
         cast_params_to_bf16(runner.modules)
-    flops = model_flops_per_token(cfg.model, cfg.train.seq_len)
-    return ParallelModel(cfg=cfg, dims=dims, runner=runner, ep_state=ep_state, flops_per_token=flops)
+    if not eagle3:
+        flops = model_flops_per_token(cfg.model, cfg.train.seq_len)
+        return ParallelModel(cfg=cfg, dims=dims, runner=runner, ep_state=ep_state, flops_per_token=flops)
+    from k3train.draft import DraftObjective, freeze_target
+    from k3train.model.flops import draft_flops_per_token
+
+    freeze_target(runner.model)
+    flops = draft_flops_per_token(cfg.model, cfg.train.seq_len, cfg.train.draft_steps)
+    return ParallelModel(cfg=cfg, dims=dims, runner=runner, ep_state=ep_state, flops_per_token=flops,
+                         draft=DraftObjective(cfg, runner))

@@ -16,6 +16,8 @@ world size) and then runs :func:`preflight` for what the config alone cannot sho
 * the pipeline partition and whether the schedule can run with this many micro-batches;
 * ``checkpoint.load_hf`` (a fresh start from a Hugging Face checkpoint): its config.json against the run's model,
   every shard's header, every tensor present once with its shape (k3train/hf/load.py: check_hf_checkpoint).
+* ``train.objective=eagle3``: the target checkpoint (k3train/draft/target.py: complete, undamaged, an MTP layer,
+  this run's model and tokenizer).
 
 Bad input raises ConfigError, DataError or ParallelConfigError (:func:`is_bad_input`), each message one line
 naming the key; anything else is a bug, not bad input. Config errors are found before torch, megatron or the data
@@ -201,6 +203,10 @@ def preflight(cfg: Config) -> None:
     from k3train.nonfinite import check_injection  # noqa: PLC0415
 
     check_injection(cfg)  # a malformed K3TRAIN_INJECT_NAN (test fault injection) is bad input too
+    if cfg.train.objective == "eagle3":
+        from k3train.draft.target import check_target  # noqa: PLC0415
+
+        check_target(cfg)  # the frozen target checkpoint of EAGLE-3 draft training (k3train/draft/target.py)
     from k3train.checkpoint.resume import resume_preflight  # noqa: PLC0415
 
     resume_preflight(cfg)  # run directory, checkpoint to resume, run fingerprint (k3train/checkpoint/resume.py)

@@ -1,6 +1,7 @@
 """The run summary rank 0 prints when training ends: what a user otherwise digs out of ``metrics.jsonl``.
 
-Steps and tokens of this invocation, wall time, first/last/best loss and validation loss, mean tokens/s
+Steps and tokens of this invocation, wall time, first/last/best loss and validation loss (an EAGLE-3 draft run: its
+last acceptance on the training batch and on the validation split, k3train/draft/objective.py), mean tokens/s
 (tokens over the summed step times) and MFU (with its denominator and where that came from), peak memory of
 every rank (CPU: the process's peak resident set, ``ru_maxrss``; GPU: ``max_memory_allocated``), and the last
 checkpoint written.
@@ -14,6 +15,9 @@ import torch
 import torch.distributed as dist
 
 
+DRAFT_KEYS = ("draft_accept", "draft_accept_len", "val_draft_accept", "val_draft_accept_len")
+
+
 class RunSummary:
     """Collects the per-step records of one invocation (cheap: a few floats per step) on every rank."""
 
@@ -24,7 +28,7 @@ class RunSummary:
 
     def add(self, rec: dict[str, Any]) -> None:
         self.records.append({k: rec[k] for k in ("step", "loss", "val_loss", "tokens_per_s", "step_time_s", "mfu",
-                                                 "skipped") if k in rec})
+                                                 "skipped", *DRAFT_KEYS) if k in rec})
 
     @staticmethod
     def _finite(values: list[Any]) -> list[float]:
@@ -45,6 +49,13 @@ class RunSummary:
                 best = min(seq, key=lambda t: t[1])
                 out.append(f"  {name}: first {seq[0][1]:.4f} (step {seq[0][0]}), last {seq[-1][1]:.4f} (step "
                            f"{seq[-1][0]}), best {best[1]:.4f} (step {best[0]})")
+        for prefix, name in (("", "training batch"), ("val_", "validation")):  # an EAGLE-3 draft run
+            last = [x for x in r if isinstance(x.get(f"{prefix}draft_accept_len"), (int, float))]
+            if last:
+                x = last[-1]
+                out.append(f"  draft acceptance ({name}, step {x['step']}): expected accepted length "
+                           f"{x[f'{prefix}draft_accept_len']:.3f} of {len(x[f'{prefix}draft_accept'])}; per step "
+                           + " ".join(f"{a:.3f}" for a in x[f"{prefix}draft_accept"]))
         step_s = sum(self._finite([x.get("step_time_s") for x in r]))
         mfu = self._finite([x.get("mfu") for x in r])
         if step_s > 0:

@@ -3,7 +3,9 @@
 One optimizer step:
   1. the loader yields this rank's micro-batches of the step's global batch (layout-independent) and the global
      token counts, so every micro-batch loss is normalised by the GLOBAL count (gradients are the global mean);
-  2. the step runner (pipeline schedule, or a plain accumulation loop at pp = 1) runs forward + backward;
+  2. the step runner (pipeline schedule, or a plain accumulation loop at pp = 1) runs forward + backward (an EAGLE-3
+     draft run, ``train.objective=eagle3``: the frozen target's forward-only pass with the draft's forward + backward
+     on the last stage, k3train/draft/objective.py);
   3. the optimizer reduces gradients (DP / ZeRO) and computes the global grad norm; the loss sums are
      all-reduced. Both are global, so every rank takes the same branch: finite -> 4; otherwise the step is
      skipped after a diagnostic re-run names the first non-finite module (k3train/nonfinite.py);
@@ -122,6 +124,12 @@ class Trainer:
         self._ckpt_meta = {"fingerprint": run_fingerprint(cfg), "schedule": schedule_record(cfg)}
         self.step = 0
         resumed = self._maybe_resume()
+        if self.pm.draft is not None and not resumed:  # a new EAGLE-3 draft run starts from the frozen target
+            from k3train.draft.target import load_target
+
+            load_target(self.ckpt, self.pm, cfg)
+            log.info("EAGLE-3 draft (%s loss, %d steps): target loaded from %s; training the MTP layer and W_E3",
+                     cfg.train.draft_loss, cfg.train.draft_steps, cfg.checkpoint.target)
         if self.env.is_main:  # only now, with the start known to be good, replace the run's config.yaml
             tmp = self.out_dir / f".config.yaml.tmp{os.getpid()}"
             cfg.save(tmp)
@@ -206,13 +214,20 @@ class Trainer:
         cfg = self.cfg
         t0 = time.perf_counter()
         micro_batches = self.loader.next_step()
-        mtp_w = cfg.model.mtp_loss_weight if cfg.model.num_nextn_predict_layers else 0.0
+        draft = self.pm.draft  # train.objective=eagle3 (k3train/draft/objective.py)
         # global loss-token counts: this rank's micro-batches summed over every rank holding other rows/segments
-        norm = LossNorm.from_batches(micro_batches, mtp_w, group=self.dims.group("dp_cp"), device=self._comm_device)
+        if draft is None:
+            mtp_w = cfg.model.mtp_loss_weight if cfg.model.num_nextn_predict_layers else 0.0
+            norm = LossNorm.from_batches(micro_batches, mtp_w, group=self.dims.group("dp_cp"),
+                                         device=self._comm_device)
+            fb = self.pm.forward_backward
+        else:
+            norm = draft.norm(micro_batches, group=self.dims.group("dp_cp"), device=self._comm_device)
+            fb = draft.forward_backward
         self.nonfinite.begin_step(self.step + 1)
         self.optimizer.zero_grad()
         t_fb = time.perf_counter()
-        stats = self.pm.forward_backward(micro_batches, norm)
+        stats = fb(micro_batches, norm)
         t_gn = time.perf_counter()
         grad_norm = self.optimizer.clip_grad_norm_()  # global (all ranks), so the decision below is too
         t_gn_end = time.perf_counter()
@@ -220,9 +235,11 @@ class Trainer:
         sums = self._all_reduce_sum([stats.get("lm_loss_sum", 0.0), stats.get("mtp_loss_sum", 0.0),
                                      stats.get("p2p_bytes", 0.0), stats.get("p2p_bytes_hidden", 0.0),
                                      stats.get("p2p_bytes_block_cache", 0.0), stats.get("p2p_bytes_grad", 0.0)])
+        drafted = draft.metrics(self._all_reduce_sum(draft.flat(stats))) if draft is not None else {}
+        loss = drafted.pop("loss") if draft is not None else sums[0] / max(1, norm.lm_tokens)
         lr = self._lr_at(self.step, cfg.optim, cfg.train.steps)
         report = None
-        if step_is_finite(grad_norm, sums[:2]):
+        if step_is_finite(grad_norm, [*sums[:2], loss]):
             moe_worst, moe_totals = self.pm.sync_router_balance()  # QB biases move only on an applied step
             t_opt = time.perf_counter()
             ostats = self.optimizer.step(lr)
@@ -230,7 +247,7 @@ class Trainer:
         else:  # skip: name the first non-finite module (a diagnostic re-run on every rank), change nothing
             def rerun() -> None:
                 self.optimizer.zero_grad()
-                self.pm.forward_backward(micro_batches, norm)
+                fb(micro_batches, norm)
 
             report = self.nonfinite.diagnose(rerun)
             self.optimizer.zero_grad()
@@ -239,8 +256,8 @@ class Trainer:
             ostats = self.optimizer.skip_step()
             t_opt = 0.0
         self.step += 1
-        self.nonfinite.after_step(self.step, report is not None, f"loss {sums[0] / max(1, norm.lm_tokens):.4g} / "
-                                  f"grad norm {grad_norm:.4g}", report)
+        self.nonfinite.after_step(self.step, report is not None, f"loss {loss:.4g} / grad norm {grad_norm:.4g}",
+                                  report)
         total_keys = sorted(moe_totals)
         moe_sums = self._all_reduce_sum([moe_totals[k] for k in total_keys]) if total_keys else []
         dt = time.perf_counter() - t0
@@ -248,7 +265,7 @@ class Trainer:
         tps = tokens / dt
         rec: dict[str, Any] = {
             "step": self.step,
-            "loss": sums[0] / max(1, norm.lm_tokens),
+            "loss": loss,
             "lr": lr,
             "grad_norm": float(grad_norm),
             "tokens_per_s": tps,
@@ -260,8 +277,9 @@ class Trainer:
             "time_grad_norm_s": t_gn_end - t_gn,
             "time_optimizer_s": t_opt,
         }
-        if norm.mtp_tokens:
+        if draft is None and norm.mtp_tokens:
             rec["mtp_loss"] = sums[1] / norm.mtp_tokens
+        rec.update(drafted)  # draft_accept [S], draft_accept_len (the loss above is the draft's)
         if self.dims.pp > 1:
             rec.update(p2p_bytes=int(sums[2]), p2p_bytes_hidden=int(sums[3]), p2p_bytes_block_cache=int(sums[4]),
                        p2p_bytes_grad=int(sums[5]))

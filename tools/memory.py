@@ -103,10 +103,11 @@ def main(argv: list[str] | None = None) -> int:
                                                              "when a stage has more than 8)")
     args, overrides = ap.parse_known_args(argv)
     from k3train.config import ConfigError, load_config
-    from k3train.planning.memory import MediaCase, estimate, format_table
+    from k3train.planning.memory import MediaCase, check_modelled, estimate, format_table
 
     try:
         cfg = load_config(args.config, overrides, world_size=args.world_size)
+        check_modelled(cfg)
         media = MediaCase(args.media, args.media_frames)
         media.check(cfg)
     except (ConfigError, ValueError, FileNotFoundError) as e:

@@ -60,7 +60,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"{k}: out of range")
         if args.ep_skew < 1:
             raise ConfigError(f"--ep-skew: must be >= 1 (max load / mean load), got {args.ep_skew}")
-        load_config(args.config, overrides)  # the base config itself (keys, types) before any work
+        from k3train.planning.memory import check_modelled
+
+        check_modelled(load_config(args.config, overrides))  # the base config itself (keys, types) before any work
         ref_over = args.reference.split() if args.reference else []
         if ref_over:
             load_config(args.config, overrides + ref_over, world_size=args.world_size)

@@ -36,6 +36,12 @@ def run_fingerprint(cfg: Config) -> dict[str, Any]:
     out["train.seed"] = cfg.train.seed
     out["train.seq_len"] = cfg.train.seq_len
     out["train.global_batch_size"] = cfg.train.global_batch_size
+    if cfg.train.objective != "lm":  # an EAGLE-3 draft run (absent for "lm": older checkpoints stay comparable)
+        out["train.objective"] = cfg.train.objective
+        out["train.draft_loss"] = cfg.train.draft_loss
+        out["train.draft_steps"] = cfg.train.draft_steps
+        out["train.draft_feature_blocks"] = list(cfg.train.draft_feature_blocks)
+        out["checkpoint.target"] = str(Path(cfg.checkpoint.target).resolve())
     return out
 
 

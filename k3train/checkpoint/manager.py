@@ -369,9 +369,11 @@ class CheckpointManager:
         self._on_rank0(lambda: os.replace(path, dest))
         return dest
 
-    def load(self, path: str | Path, tensor_state: dict[str, Any], key: str = "checkpoint.resume") -> dict[str, Any]:
+    def load(self, path: str | Path, tensor_state: dict[str, Any], key: str = "checkpoint.resume",
+             rank_state: bool = True) -> dict[str, Any]:
         """Load DCP tensors in place into ``tensor_state``; return this rank's per-rank state (or rank 0's when
-        the checkpoint was written by a different world size, with RNG states dropped). Collective. Nothing is
+        the checkpoint was written by a different world size, with RNG states dropped; ``{}`` with
+        ``rank_state=False``: only tensors are wanted, e.g. a frozen target's weights). Collective. Nothing is
         unpickled beyond tensors, plain values and DCP's metadata classes (k3train/checkpoint/safe_load.py): a
         file that would run code is refused on every rank with :class:`UnsafeCheckpoint` (``key: why``); the
         metadata and the per-rank file are checked before DCP reads any shard."""
@@ -386,7 +388,7 @@ class CheckpointManager:
         state, why, err = None, None, None
         try:
             reader.read_metadata()  # the restricted unpickler; DCP's own call below gets the same object
-            state = load_rank_state(own if same_world else path / "rank_00000.pt")
+            state = load_rank_state(own if same_world else path / "rank_00000.pt") if rank_state else {}
         except UnsafeCheckpoint as e:
             why = str(e)
         except Exception as e:  # noqa: BLE001 - re-raised on every rank by _agree
@@ -400,7 +402,7 @@ class CheckpointManager:
                 dcp_load(tensor_state, path, reader)
         except UnsafeCheckpoint as e:  # a value DCP stored as bytes that weights_only refuses (every rank)
             raise UnsafeCheckpoint(f"{key}: {e}") from None
-        if same_world:
+        if same_world or not rank_state:
             return state
         state.pop("rng", None)
         log.warning("checkpoint %s was written by world size %s (now %d): RNG states not restored",

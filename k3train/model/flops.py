@@ -162,6 +162,22 @@ def model_flops_per_token(cfg: Any, seq_len: int, include_mtp: bool = True) -> f
     return 3.0 * (2.0 * active_matmul_params(cfg, include_mtp) + attention_flops_per_token(cfg, seq_len, include_mtp))
 
 
+def draft_flops_per_token(cfg: Any, seq_len: int, steps: int) -> float:
+    """FLOPs per token of an EAGLE-3 draft training step (``train.objective=eagle3``, k3train/model/eagle3.py):
+    the frozen target's forward without its LM head; per draft step the draft layer's forward + backward
+    (``3 x``; its Gated MLA attends to ``(seq_len + 1) / 2 + j`` keys at step ``j``), the target's LM head on
+    the shifted position (forward) and the shared LM head on the draft (forward + the input gradient of a frozen
+    weight: ``2 x``); ``W_E3`` (``3 x``)."""
+    d, V = cfg.hidden_size, cfg.vocab_size
+    target = 2.0 * (active_matmul_params(cfg, include_mtp=False) - d * V)
+    target += attention_flops_per_token(cfg, seq_len, include_mtp=False)
+    per_head_key = 2 * cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
+    layer = 2.0 * (2 * d * d + _mla_matmul(cfg) + _ffn_matmul(cfg, cfg.num_hidden_layers - 1))
+    draft = sum(3.0 * (layer + per_head_key * ((seq_len + 1) / 2 + j)) + 2.0 * d * V * (1 + 2)
+                for j in range(steps))
+    return target + draft + 3.0 * 2.0 * 3 * d * d
+
+
 # --------------------------------------------------------------------------------------------------------------
 # vision (MoonViT-V2 + projector), per media
 # --------------------------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ parameter is an error (so a new parameter kind must be given a rule here):
 RMSNorm / LayerNorm ``weight``                      ones
 vision ``pos_embed.weight`` (2D position table)     N(0, vision std)
 AttnRes pseudo-query ``query``                      zeros (every aggregation starts as a uniform average)
+EAGLE-3 fusion ``eagle3.weight`` (W_E3 [d, 3d])     [0 0 I]: the fused feature starts as the high-level one
 KDA ``A_log`` (A_h)                                 zeros (spec: A_h init 0)
 KDA ``dt_bias`` (decay bias b_a)                    Mamba/Kimi-Linear style: per channel dt ~ LogUniform[1e-3, 1e-1]
                                                     and b_a chosen so the initial log decay is g = -dt (retention
@@ -47,6 +48,7 @@ from torch import nn
 
 from k3train.model.attnres import AttnRes
 from k3train.model.conv import ShortConv
+from k3train.model.eagle3 import Eagle3Fusion
 from k3train.model.kda import KDALayer
 from k3train.model.norm import RMSNorm
 from k3train.model.vit import PositionEmbedding2D
@@ -102,6 +104,8 @@ def _rule(module: nn.Module, mod_name: str, pname: str, cfg: Any,
         return lambda shape, g: _normal(shape, std, g)
     if isinstance(module, AttnRes) and pname == "query":
         return lambda shape, g: torch.zeros(shape)
+    if isinstance(module, Eagle3Fusion) and pname == "weight":
+        return lambda shape, g: Eagle3Fusion.initial_weight(shape)
     if isinstance(module, KDALayer) and pname == "A_log":
         return lambda shape, g: torch.zeros(shape)
     if isinstance(module, KDALayer) and pname == "dt_bias":

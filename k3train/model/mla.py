@@ -171,7 +171,13 @@ class MLA(nn.Module):
         """The parameters :meth:`expand_latent` reads (the blockwise op returns their gradients)."""
         return (self.kv_a_layernorm.weight, self.kv_b_proj.weight)
 
-    def forward(self, x: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, seq: SeqInfo,
+                attend: Callable[[MLA, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """``attend(self, x)`` (optional) computes the layer's output instead of the causal attention over ``seq``:
+        the EAGLE-3 draft's training-time test (k3train/model/eagle3.py), run through this module's call so module
+        hooks see it."""
+        if attend is not None:
+            return attend(self, x)
         B, T, _ = x.shape
         q = self.project_q(x)
         latent = self.kv_a_proj_with_mqa(x)
@@ -193,6 +199,12 @@ class MLA(nn.Module):
         if track:
             with torch.no_grad():
                 self.qk_max.copy_(torch.maximum(self.qk_max, max_logit.to(self.qk_max.dtype)))
+        return self.project_out(x, o)
+
+    def project_out(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """The attention output ``o [B, H, T, Dv]`` (fp32) of the layer input ``x [B, T, d]`` -> ``y [B, T, d]``:
+        the sigmoid output gate, then W_o."""
+        B, T, _ = x.shape
         o = o.transpose(1, 2).reshape(B, T, self.num_heads * self.v_dim)
         if self.use_output_gate:
             o = torch.sigmoid(self.g_proj(x)) * o

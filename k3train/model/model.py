@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from k3train.model.attnres import AttnRes, AttnResState
 from k3train.model.block import K3Layer
+from k3train.model.eagle3 import Eagle3Fusion
 from k3train.model.init import init_model_weights
 from k3train.model.media import MediaInputs
 from k3train.model.mtp import MTPLayer
@@ -73,14 +74,15 @@ class K3Model(nn.Module):
     """The K3 language model. ``cfg`` is a validated :class:`k3train.config.ModelConfig`; ``vision`` (optional)
     the validated :class:`k3train.config.VisionConfig`: when enabled the model holds ``vision`` (a
     :class:`VisionTower`: ``vision.encoder`` + ``vision.projector``) beside ``embed_tokens``, on the first pipeline
-    stage like it (pruned chunks set it to ``None``).
+    stage like it (pruned chunks set it to ``None``). ``eagle3``: the model also holds ``eagle3``, the EAGLE-3
+    draft's ``W_E3`` (k3train/model/eagle3.py), on the last stage with the MTP layer.
 
     Public methods (the contract's model seams): ``embed``, ``embed_batch``, ``encode_batch``, ``encode_media``,
     ``forward_layers``, ``final_hidden``, ``loss_sums``, ``forward``, ``init_weights``. No torch.distributed calls;
     parallelism is applied from outside.
     """
 
-    def __init__(self, cfg: Any, vision: Any = None) -> None:
+    def __init__(self, cfg: Any, vision: Any = None, eagle3: bool = False) -> None:
         super().__init__()
         L = cfg.num_hidden_layers
         if len(cfg.kda_layers) + len(cfg.full_attn_layers) != L:
@@ -105,6 +107,8 @@ class K3Model(nn.Module):
         self.norm: RMSNorm | None = RMSNorm(d, cfg.rms_norm_eps)
         self.lm_head: nn.Linear | None = nn.Linear(d, V, bias=False)
         self.mtp: MTPLayer | None = MTPLayer(cfg) if cfg.num_nextn_predict_layers > 0 else None
+        # eagle3 (train.objective=eagle3): the EAGLE-3 draft's feature fusion W_E3 beside the MTP layer it drives
+        self.eagle3: Eagle3Fusion | None = Eagle3Fusion(d) if eagle3 else None
 
     # ---------------------------------------------------------------------------------------------------------
     # stage seams

@@ -18,7 +18,7 @@ Shapes: ``[B, T, d]`` throughout. Communication only through ``seq.cp`` (MLA und
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -47,7 +47,13 @@ class MTPLayer(nn.Module):
     def forward(self, h_main: torch.Tensor, next_token_emb: torch.Tensor, seq: SeqInfo) -> torch.Tensor:
         """``h_main [B, T, d]`` (backbone hidden at t), ``next_token_emb [B, T, d]`` (embedding of token t+1)
         -> normalised hidden ``[B, T, d]`` for the shared LM head (its logits predict token t+2)."""
+        return self.norm(self.hidden(h_main, next_token_emb, seq))
+
+    def hidden(self, h_main: torch.Tensor, next_token_emb: torch.Tensor, seq: SeqInfo,
+               attend: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+        """The layer's output BEFORE its final ``norm`` ``[B, T, d]``. ``attend(attn, x)`` (optional) replaces the
+        attention's causal computation (``MLA.forward``): the EAGLE-3 draft's training-time test attends over its
+        own earlier steps as well (k3train/model/eagle3.py)."""
         h = self.eh_proj(torch.cat([self.hnorm(h_main), self.enorm(next_token_emb)], dim=-1))
-        h = h + self.attn(self.attn_norm(h), seq)
-        h = h + self.ffn(self.ffn_norm(h))
-        return self.norm(h)
+        h = h + self.attn(self.attn_norm(h), seq, attend)
+        return h + self.ffn(self.ffn_norm(h))

@@ -123,7 +123,9 @@ class DistributedOptimizer:
         # an error (a frozen q/k weight cannot be clipped consistently with its master copy).
         self.qk_tau = float(ocfg.qk_clip_threshold)
         self.qk_group = dims.group(qk_clip_group)
-        self.qk_modules = find_qk_clip_modules(modules) if self.qk_tau > 0 else []
+        # (a wholly frozen attention -- an EAGLE-3 draft run's target -- has nothing to clip and is left out)
+        self.qk_modules = [(n, m) for n, m in find_qk_clip_modules(modules)
+                           if any(t.param.requires_grad for t in qk_clip_targets(m))] if self.qk_tau > 0 else []
         self.qk_targets = []
         for name, mod in self.qk_modules:
             tl = qk_clip_targets(mod)

@@ -699,6 +699,17 @@ def walk_schedule(program: list[Any], traces: dict[int, ChunkTrace], grad_full: 
 
 
 # --------------------------------------------------------------------------------------------------------------
+def check_modelled(cfg: Any) -> None:
+    """Refuse (one ConfigError line) what this estimate does not model: ``train.objective=eagle3`` runs the frozen
+    target forward-only with the draft's forward and backward on the last stage (k3train/draft/objective.py), not
+    the LM training step traced here. Called by tools/memory.py and tools/plan.py before any work."""
+    from k3train.config import ConfigError
+
+    if cfg.train.objective != "lm":
+        raise ConfigError(f"train.objective: the memory estimate and the planner model LM training (train.objective="
+                          f"lm), not the {cfg.train.objective} draft step ({cfg.origin('train.objective')})")
+
+
 def estimate(cfg: Config, world_size: int, cache: Any = None, media: MediaCase | None = None) -> Estimate:
     """Per-rank memory of one training step of ``cfg`` on ``world_size`` ranks (see the module docstring).
 

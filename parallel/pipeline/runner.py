@@ -16,6 +16,11 @@ Both have the same interface:
     runner.forward_backward(micro_batches, norm) -> dict   (gradients accumulate into .grad)
     runner.forward_only(micro_batches, norm) -> dict       (evaluation: forward actions only, under no_grad;
                                                             the same loss statistics, no gradients, no hooks)
+    runner.forward_only(micro_batches, norm, head=fn)      (the same forward actions; the last stage computes
+                                                            ``fn(state, batch, seq) -> sums`` instead of
+                                                            ``model.loss_sums``: a frozen model's pipeline under
+                                                            a head of its own, e.g. the EAGLE-3 draft, which may
+                                                            run its own forward + backward there)
     runner.current                      (kind 'F'|'B'|'EF'|'EB', virtual stage, micro-batch) of the compute
                                         running now (for diagnostic hooks, see k3train/nonfinite.py)
 
@@ -95,6 +100,7 @@ class StepRunner:
                                                    else [])
         self.last_stats: dict[str, Any] = {}
         self.current: tuple[str, int, int] | None = None
+        self._head: Callable[[Any, Any, Any], dict[str, torch.Tensor]] | None = None  # forward_only(head=)
 
     def refresh_params(self) -> None:
         """Recompute ``chunk_params`` / ``shared_params`` from the model (called every step: expert parallelism
@@ -122,18 +128,24 @@ class StepRunner:
         # encoder_s: seconds in the vision encoder's own actions (PipelineRunner, encoder_schedule != inline)
         return {k: 0.0 for k in STAT_KEYS} | {"loss": 0.0, "compute_s": 0.0, "recv_wait_s": 0.0, "encoder_s": 0.0}
 
+    def _last_stage(self, state: Any, batch: Any, seq: Any) -> dict[str, torch.Tensor]:
+        """What the last stage computes from the final state: ``model.loss_sums``, or forward_only's ``head``."""
+        if self._head is not None:
+            return self._head(state, batch, seq)
+        return self.model.loss_sums(state, batch, seq)
+
     @staticmethod
     def _add_sums(stats: dict[str, Any], sums: dict[str, torch.Tensor], loss: torch.Tensor) -> None:
-        # detached tensors (no device sync per micro-batch); converted to floats by _finish_sums
-        for k in STAT_KEYS:
-            if k in sums:
-                stats[k] = stats[k] + sums[k].detach().float()
+        # detached tensors (no device sync per micro-batch); converted by _finish_sums (a vector sum to a list)
+        for k, v in sums.items():
+            stats[k] = stats.get(k, 0.0) + v.detach().float()
         stats["loss"] = stats["loss"] + loss.detach().float()
 
     @staticmethod
     def _finish_sums(stats: dict[str, Any]) -> None:
-        for k in (*STAT_KEYS, "loss"):
-            stats[k] = float(stats[k])
+        for k, v in stats.items():
+            if isinstance(v, torch.Tensor):
+                stats[k] = float(v) if v.dim() == 0 else v.tolist()
 
     def forward_backward(self, micro_batches: list[Any], norm: LossNorm) -> dict[str, Any]:
         raise NotImplementedError
@@ -170,17 +182,22 @@ class LocalRunner(StepRunner):
 
     def _run(self, batch: Any, seq: Any) -> dict[str, torch.Tensor]:
         state = self.model.forward_layers(self.model.embed_batch(batch), 0, self.partition.num_layers, seq)
-        return self.model.loss_sums(state, batch, seq)
+        return self._last_stage(state, batch, seq)
 
     @torch.no_grad()
-    def forward_only(self, micro_batches: list[Any], norm: LossNorm) -> dict[str, Any]:
-        """Loss statistics of every micro-batch, forward only (evaluation)."""
+    def forward_only(self, micro_batches: list[Any], norm: Any, head: Callable[..., Any] | None = None
+                     ) -> dict[str, Any]:
+        """Loss statistics of every micro-batch, forward only (evaluation; ``head``: module docstring)."""
         stats = self._new_stats()
         self.refresh_params()
-        for mb, batch in enumerate(micro_batches):
-            self.current = ("F", 0, mb)
-            sums = self._run(batch, self.make_seq(batch))
-            self._add_sums(stats, sums, norm(sums))
+        self._head = head
+        try:
+            for mb, batch in enumerate(micro_batches):
+                self.current = ("F", 0, mb)
+                sums = self._run(batch, self.make_seq(batch))
+                self._add_sums(stats, sums, norm(sums))
+        finally:
+            self._head = None
         self.current = None
         self._finish_sums(stats)
         return stats
@@ -299,13 +316,19 @@ class PipelineRunner(StepRunner):
         return self.end_step()
 
     @torch.no_grad()
-    def forward_only(self, micro_batches: list[Any], norm: LossNorm) -> dict[str, Any]:
+    def forward_only(self, micro_batches: list[Any], norm: Any, head: Callable[..., Any] | None = None
+                     ) -> dict[str, Any]:
         """Forward actions of the schedule only (evaluation): the same activation p2p between the same ranks,
         nothing saved for backward, no gradient messages, no embedding all-reduce. Every pipeline rank must
-        call it with the same micro-batch count. Returns the loss statistics (non-zero on the last stage)."""
+        call it with the same micro-batch count. Returns the loss statistics (non-zero on the last stage).
+        ``head``: what the last stage computes instead of ``model.loss_sums`` (module docstring)."""
         program = self.begin_step(micro_batches, norm, forward_only=True)
-        for ins in program:
-            self.run_instr(ins)
+        self._head = head
+        try:
+            for ins in program:
+                self.run_instr(ins)
+        finally:
+            self._head = None
         return self.end_step(sync_shared=False)
 
     # The step in three parts, so that a test can interleave the programs of several ranks in one process.
@@ -416,7 +439,7 @@ class PipelineRunner(StepRunner):
             else:
                 state = self.state_cls(blocks=list(inp.blocks), partial=inp.partial)
             state = model.forward_layers(state, s, e, seq)
-            return model.loss_sums(state, batch, seq) if last else state
+            return self._last_stage(state, batch, seq) if last else state
 
         out = run_maybe_recomputed(run, self.recompute)
         if last:

@@ -8,10 +8,11 @@ are identical to the single-process model's whatever the layout. Owned parameter
 layout-independent. A model *instance* can be passed instead; it is pruned in place (already initialised).
 
 What a rank keeps: the layers of its virtual stages; ``embed_tokens`` (and any other top-level part that is not
-one of the head parts, e.g. a vision encoder) on the first stage; ``final_attnres, norm, lm_head, mtp`` on the
-last stage. The MTP layer embeds token t+1 with the backbone's (shared) ``embed_tokens``, so the last stage also
-keeps a copy; the two copies' gradients are summed over the ``embd`` group (first + last pipeline rank) before
-the optimizer sees them, as Megatron does for tied embeddings, and both copies then take identical steps.
+one of the head parts, e.g. a vision encoder) on the first stage; ``final_attnres, norm, lm_head, mtp`` (and the
+EAGLE-3 draft's ``eagle3``) on the last stage. The MTP layer embeds token t+1 with the backbone's (shared)
+``embed_tokens``, so the last stage also keeps a copy; the two copies' gradients are summed over the ``embd`` group
+(first + last pipeline rank) before the optimizer sees them, as Megatron does for tied embeddings, and both copies
+then take identical steps.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from torch import nn
 
 from parallel.pipeline.partition import PipelinePartition
 
-HEAD_PARTS = ("final_attnres", "norm", "lm_head", "mtp")
+HEAD_PARTS = ("final_attnres", "norm", "lm_head", "mtp", "eagle3")
 EMBED = "embed_tokens"
 
 

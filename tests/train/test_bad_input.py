@@ -78,6 +78,8 @@ BAD_INPUT = [
      ["WANDB_MODE", "bogus"], {"env": {"WANDB_MODE": "bogus"}}),
     ("checkpoint.resume path missing", ["--config", TINY, "--data.path={data}", *FAST,
                                         "--checkpoint.resume={dir}/step_00000007"], ["checkpoint.resume"], {}),
+    ("eagle3 without checkpoint.target", ["--config", TINY, "--train.objective=eagle3"],
+     ["checkpoint.target", "train.objective=eagle3 needs the frozen target", "--train.objective=eagle3"], {}),
     ("torchrun: world size vs pp", ["--config", TINY, "--data.path={data}", *FAST, "--parallel.pp=4"],
      ["parallel: world size 2 is not divisible by pp*cp = 4"], {"nproc": 2}),
     ("torchrun: num_attention_heads 0", ["--config", TINY, "--model.num_attention_heads=0"],
