@@ -44,6 +44,13 @@ DEFAULT_TIMEOUT_S = 480.0
 PRELOAD = ["torch", "torch.distributed", "k3train.trainer"]
 
 
+def fork_context() -> Any:
+    """The multiprocessing context whose processes fork from the session's fork server (``PRELOAD`` imported)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server starts (the session's first use)
+    return ctx
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -108,8 +115,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     collective may wait 3/4 of it, so a rank stuck in one raises (naming it) before the deadline. A failure names
     the rank and what happened to it: an exception (with its traceback), a rank that died without reporting (a
     signal, ``os._exit``, a segfault: its exit code), or ranks still running at the deadline."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server starts (the session's first call)
+    ctx = fork_context()
     q = ctx.Queue()
     port = free_port()
     # the body and its arguments by value (plain pickle: tensors as bytes), not as torch.multiprocessing's shared
