@@ -1,5 +1,6 @@
 """Resume into a DIFFERENT parallel layout continues the same run (README: checkpoints are saved by parameter name
-so that another layout can load them): real ``torchrun`` runs of the entry point.
+so that another layout can load them): runs of the real entry point (``run_train_forked``: ranks with
+torchrun's environment, forked from the fork server).
 
 Each case runs ``K`` steps in layout A (``--train.stop_at_step=K``, checkpointed), then resumes the same
 directory in layout B (``--checkpoint.resume=auto``) to step ``N``; every step's loss and grad norm -- A's and
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from train_helpers import FAST, assert_ok, assert_same_run, read_metrics, run_train
+from train_helpers import FAST, assert_ok, assert_same_run, read_metrics, run_train_forked
 from train_helpers import STRAIGHT_STEPS as N
 
 K = 2  # N = 4: step 3's update is B's first with A's optimizer state, step 4's loss shows it
@@ -41,11 +42,11 @@ def test_resume_into_another_layout_continues_the_run(corpus_prefix, tmp_path, s
     if isinstance(layout_a, str):
         stopped_at_2(layout_a, out)
     else:
-        assert_ok(run_train(_args(corpus_prefix, out, f"--train.stop_at_step={K}", "--checkpoint.resume=auto",
-                                  *layout_a), nproc=nproc_a))
+        assert_ok(run_train_forked(_args(corpus_prefix, out, f"--train.stop_at_step={K}", "--checkpoint.resume=auto",
+                                         *layout_a), nproc=nproc_a))
     assert [r["step"] for r in read_metrics(out)] == list(range(1, K + 1))
     assert (out / "checkpoints" / f"step_{K:08d}" / "COMPLETE").is_file()
-    res = run_train(_args(corpus_prefix, out, "--checkpoint.resume=auto", *layout_b), nproc=nproc_b)
+    res = run_train_forked(_args(corpus_prefix, out, "--checkpoint.resume=auto", *layout_b), nproc=nproc_b)
     assert_ok(res)
     log = res.stderr + res.stdout
     assert "resumed from" in log and f"step_{K:08d}" in log, "layout B did not resume from layout A's checkpoint"
