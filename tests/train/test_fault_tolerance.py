@@ -28,7 +28,7 @@ import pytest
 import torch.distributed as dist
 
 from dist_helpers import run_distributed
-from train_helpers import FAST, ROOT, TORCHRUN, read_metrics
+from train_helpers import FAST, ROOT, TORCHRUN, assert_ok, read_metrics, run_train_forked
 from k3train.dist_env import child_pythonpath
 
 # 8 steps, a checkpoint every 2: the chained interruptions of the test below each need a complete checkpoint
@@ -122,9 +122,10 @@ def _k3_lines(err: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def reference(corpus_prefix, tmp_path_factory) -> list[dict]:
-    """The same command, never interrupted."""
+    """The same command, never interrupted: the same arguments and environment on two ranks forked with
+    torchrun's worker variables (``run_train_forked``; the launcher is what the interruptions test, not this)."""
     out = tmp_path_factory.mktemp("uninterrupted")
-    _run(_args(corpus_prefix, out), out)
+    assert_ok(run_train_forked(_args(corpus_prefix, out), nproc=2))
     return read_metrics(out)
 
 
