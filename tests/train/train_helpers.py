@@ -168,7 +168,7 @@ def run_train_forked(args: list[str], nproc: int = 0, timeout: float = 600,
     try:
         for p in procs:
             p.start()
-        while any(p.is_alive() for p in procs):
+        while alive := [p for p in procs if p.is_alive()]:  # one look: a rank may end between two
             if failed is None:
                 failed = next((p for p in procs if p.exitcode not in (None, 0)), None)
                 if failed is not None:  # torchrun stops the other workers of a failed one
@@ -182,7 +182,7 @@ def run_train_forked(args: list[str], nproc: int = 0, timeout: float = 600,
                         _signal_rank(p, signal.SIGKILL)
             if time.monotonic() > deadline:
                 raise subprocess.TimeoutExpired(["k3train.train", *args], timeout)
-            next(p for p in procs if p.is_alive()).join(timeout=0.1)
+            alive[0].join(timeout=0.1)  # returns at once if it has ended since
     finally:
         for p in procs:
             if p.pid is not None:
