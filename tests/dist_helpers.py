@@ -1,4 +1,4 @@
-"""Spawn N gloo ranks on CPU and fail the calling test on any rank's error.
+"""Start N gloo ranks on CPU and fail the calling test on any rank's error.
 
 Usage::
 
@@ -11,13 +11,25 @@ Usage::
 The body must be a module-level function (it is pickled). Each rank's exception is sent back with its
 traceback; a rank that dies without reporting (killed by a signal, ``os._exit``) is named with its exit code;
 a hung collective raises after 3/4 of ``timeout`` and the whole run is killed after ``timeout`` s.
+
+The ranks are forked from a multiprocessing fork server that imported torch and the library once per session
+(``PRELOAD``), not spawned: a spawned rank spent 2-3 s of CPU importing torch and k3train before its first line,
+which on 2 cores was most of the wall time of the suite's distributed tests. A rank is still a fresh process of
+its own (its own gloo process group, memory, exit code) forked from an interpreter that only imported those
+modules -- what a spawned rank holds after its imports -- and it gets the caller's environment as it is at the
+call (a forked server's would be the one of its start), its working directory and ``sys.path``; what it prints
+is shown on the caller's stdout once the ranks ended.
 """
 from __future__ import annotations
 
 import os
+import pickle
 import queue
+import shutil
 import signal
 import socket
+import sys
+import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -28,6 +40,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT_S = 480.0
+# imported once in the fork server (an import error there is ignored: the rank then imports it itself)
+PRELOAD = ["torch", "torch.distributed", "k3train.trainer"]
+
+
+def fork_context() -> Any:
+    """The multiprocessing context whose processes fork from the session's fork server (``PRELOAD`` imported)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server starts (the session's first use)
+    return ctx
 
 
 def free_port() -> int:
@@ -36,11 +57,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, q: Any, timeout: float) -> None:
+def _worker(rank: int, world_size: int, port: int, payload: bytes, q: Any, timeout: float,
+            env: dict[str, str], log: str) -> None:
+    os.environ.clear()  # the caller's environment at the call, not the fork server's
+    os.environ.update(env)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)  # stdout and stderr: the caller shows them
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     try:
+        fn, args = pickle.loads(payload)
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout))
         fn(rank, world_size, *args)
@@ -51,6 +80,19 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, q:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def _show_output(logs: str, world_size: int) -> None:
+    """What the ranks printed, on this process's stdout (pytest shows it with the test: the fork server's own
+    stdout is the one of the test that started it)."""
+    for r in range(world_size):
+        path = os.path.join(logs, f"{r}.log")
+        text = open(path, errors="replace").read() if os.path.exists(path) else ""
+        if text:
+            print(f"----- rank {r} stdout/stderr -----\n{text}", end="" if text.endswith("\n") else "\n")
+    shutil.rmtree(logs, ignore_errors=True)
 
 
 def _exit_status(code: int | None) -> str:
@@ -65,17 +107,23 @@ def _exit_status(code: int | None) -> str:
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S) -> None:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned gloo ranks; fail on the first problem.
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo ranks (processes forked from the fork server);
+    fail on the first problem.
 
     ``timeout``: the whole run's deadline (the default leaves room for a loaded 2-core CI machine and still ends
     before pytest-timeout's 600 s, so the message below -- not a bare timeout -- is what a hang produces). Each
     collective may wait 3/4 of it, so a rank stuck in one raises (naming it) before the deadline. A failure names
     the rank and what happened to it: an exception (with its traceback), a rank that died without reporting (a
     signal, ``os._exit``, a segfault: its exit code), or ranks still running at the deadline."""
-    ctx = mp.get_context("spawn")
+    ctx = fork_context()
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, q, 0.75 * timeout))
+    # the body and its arguments by value (plain pickle: tensors as bytes), not as torch.multiprocessing's shared
+    # memory handles: the fork server passes at most 253 file descriptors per process, one per shared tensor
+    payload = pickle.dumps((fn, args))
+    logs = tempfile.mkdtemp(prefix="k3train-test-ranks-")
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, payload, q, 0.75 * timeout, dict(os.environ),
+                                               f"{logs}/{r}.log"))
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -116,6 +164,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
                 p.kill()
                 p.join()
                 killed.add(r)
+        _show_output(logs, world_size)
     drain(0.1)  # errors put by ranks that failed while we were joining
     # the root cause first: a rank that died on its own (its peers' errors are consequences)
     problems = [f"rank {r} died without reporting: {_exit_status(p.exitcode)}" for r, p in enumerate(procs)

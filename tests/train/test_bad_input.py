@@ -1,4 +1,5 @@
-"""Bad input through the real entry point (``python -m k3train.train``, and torchrun for a few): exit code 2, exactly
+"""Bad input through the real entry point (``k3train.train`` run as ``__main__`` in a process forked from the fork
+server, tests/train/train_helpers.py ``run_train_forked``; torchrun for a few): exit code 2, exactly
 one ``k3train: error:`` line naming the key, no traceback, and nothing built -- no run directory, no layout line
 (the trainer's first log line, printed once the process groups exist), no training step.
 
@@ -18,7 +19,7 @@ import torch
 from k3train.data.corpus import DEFAULT_CORPUS, read_documents, write_text_corpus
 from k3train.data.prepare import prepare
 from k3train.data.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
-from train_helpers import FAST, run_train
+from train_helpers import FAST, run_train, run_train_forked
 
 TINY = "configs/tiny.yaml"
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
@@ -164,7 +165,8 @@ def test_bad_input(args, needles, opts, inputs, tmp_path):
     argv = fill(args, inputs, run)
     if "--train.out_dir={run}" not in args:
         argv.append(f"--train.out_dir={run}")
-    res = run_train(argv, nproc=opts.get("nproc", 0), env_extra=opts.get("env"))
+    nproc = opts.get("nproc", 0)
+    res = (run_train if nproc else run_train_forked)(argv, nproc=nproc, env_extra=opts.get("env"))
     line = error_line(res, opts.get("nproc", 0))
     for n in needles:
         assert n.format(**inputs) in line, line
@@ -177,7 +179,7 @@ def test_bad_input(args, needles, opts, inputs, tmp_path):
 # inputs that must NOT fail, next to the cases above
 # ----------------------------------------------------------------------------------------------------------------
 def _check(args: list[str], **kw) -> tuple[str, str]:
-    res = run_train(["--check", *args], **kw)
+    res = run_train_forked(["--check", *args], **kw)
     assert res.returncode == 0 and "are valid" in res.stdout, res.stderr[-3000:]
     assert "k3train: error" not in res.stderr
     return res.stdout, res.stderr
@@ -210,9 +212,9 @@ def test_wandb_online_without_credentials_trains_offline(inputs, tmp_path):
     run = tmp_path / "run"
     env = {"WANDB_MODE": "online", "WANDB_API_KEY": None, "NETRC": None, "HOME": str(tmp_path),
            "WANDB_DIR": None, "WANDB_CONFIG_DIR": str(tmp_path / "wandb_cfg")}
-    res = run_train(["--config", TINY, f"--data.path={inputs['data']}", *FAST, "--logging.wandb=true",
-                     "--train.steps=1", "--checkpoint.save_final=false", "--checkpoint.resume=none",
-                     f"--train.out_dir={run}"], env_extra=env)
+    res = run_train_forked(["--config", TINY, f"--data.path={inputs['data']}", *FAST, "--logging.wandb=true",
+                            "--train.steps=1", "--checkpoint.save_final=false", "--checkpoint.resume=none",
+                            f"--train.out_dir={run}"], env_extra=env)
     assert res.returncode == 0, res.stderr[-4000:]
     warnings = [ln for ln in res.stderr.splitlines() if "no wandb credentials" in ln]
     assert len(warnings) == 1 and "OFFLINE" in warnings[0], res.stderr[-3000:]

@@ -1,5 +1,5 @@
 """Validation loss through the real trainer: the value against an independent forward of the checkpointed model,
-layout independence (torchrun pp=2 x vpp=2 x dp=2, and cp=2 x ep=2, against one process), and no effect on the
+layout independence (pp=2 x vpp=2 x dp=2, and cp=2 x ep=2 ranks, against one process), and no effect on the
 training trajectory."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from k3train.config import ConfigError, load_config
-from train_helpers import FAST, assert_ok, read_metrics, run_train
+from train_helpers import FAST, assert_ok, read_metrics, run_train_forked
 
 EVAL = ["--data.split=90,10,0", "--train.eval_interval=2", "--train.eval_iters=2"]
 
@@ -22,7 +22,7 @@ def _args(prefix, out, steps, *extra):
 @pytest.fixture(scope="module")
 def single(corpus_prefix, tmp_path_factory):
     out = tmp_path_factory.mktemp("eval_single")
-    res = run_train(_args(corpus_prefix, out, 3, *EVAL))
+    res = run_train_forked(_args(corpus_prefix, out, 3, *EVAL))
     assert_ok(res)
     return out, read_metrics(out), res.stdout
 
@@ -60,7 +60,7 @@ def test_eval_does_not_change_training(single, corpus_prefix, tmp_path):
     """The same run without evaluation: bit-identical per-step losses and grad norms (no QB statistics, QK-Clip
     maxima, RNG or data position touched by the evaluation)."""
     out = tmp_path / "noeval"
-    assert_ok(run_train(_args(corpus_prefix, out, 3, *EVAL, "--train.eval_interval=0")))
+    assert_ok(run_train_forked(_args(corpus_prefix, out, 3, *EVAL, "--train.eval_interval=0")))
     got = read_metrics(out)
     ref = single[1]
     assert all("val_loss" not in r for r in got)
@@ -75,7 +75,7 @@ def test_eval_does_not_change_training(single, corpus_prefix, tmp_path):
 ], ids=["pp2xvpp2xdp2", "cp2xep2"])
 def test_val_loss_is_layout_independent(single, corpus_prefix, tmp_path, layout, nproc):
     out = tmp_path / "layout"
-    assert_ok(run_train(_args(corpus_prefix, out, 3, *EVAL, *layout), nproc=nproc))
+    assert_ok(run_train_forked(_args(corpus_prefix, out, 3, *EVAL, *layout), nproc=nproc))
     got, ref = read_metrics(out), single[1]
     assert [r["step"] for r in got if "val_loss" in r] == [2, 3]
     for a, b in zip(got, ref):

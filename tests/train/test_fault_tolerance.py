@@ -10,7 +10,9 @@ Real ``torchrun`` runs of the tiny config (2 ranks, pp=2), killed or signalled f
     * SIGTERM to torchrun: both ranks stop after the same step, its checkpoint is written, one line, exit code of
       the workers 143, and re-running resumes exactly.
 "Exactly": the per-step losses and gradient norms of the interrupted-and-resumed run equal those of one
-uninterrupted run of the same layout, bit for bit.
+uninterrupted run of the same layout, bit for bit. The two kills and the SIGTERM interrupt one run directory in
+turn (each re-run of the command resumes, and is the next interruption's victim); SIGSTOP and the stop checkpoint
+past its deadline are runs of their own.
 """
 from __future__ import annotations
 
@@ -26,10 +28,12 @@ import pytest
 import torch.distributed as dist
 
 from dist_helpers import run_distributed
-from train_helpers import FAST, ROOT, TORCHRUN, read_metrics
+from train_helpers import FAST, ROOT, TORCHRUN, assert_ok, read_metrics, run_train_forked
 from k3train.dist_env import child_pythonpath
 
-STEPS = 6
+# 8 steps, a checkpoint every 2: the chained interruptions of the test below each need a complete checkpoint
+# behind them and (SIGTERM) steps ahead
+STEPS = 8
 LAYOUT = ["--parallel.pp=2", "--checkpoint.interval=2", "--checkpoint.resume=auto", "--checkpoint.keep=5"]
 TIMEOUT_S = 20  # parallel.collective_timeout_s of these runs
 # the stuck-rank run's: it waits out the whole timeout, so a shorter one saves that wait; 8 s still leaves that run's
@@ -118,23 +122,53 @@ def _k3_lines(err: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def reference(corpus_prefix, tmp_path_factory) -> list[dict]:
-    """The same command, never interrupted."""
+    """The same command, never interrupted: the same arguments and environment on two ranks forked with
+    torchrun's worker variables (``run_train_forked``; the launcher is what the interruptions test, not this)."""
     out = tmp_path_factory.mktemp("uninterrupted")
-    _run(_args(corpus_prefix, out), out)
+    assert_ok(run_train_forked(_args(corpus_prefix, out), nproc=2))
     return read_metrics(out)
 
 
-def test_kill9_mid_step_exits_fast_with_one_line_and_resumes_exactly(corpus_prefix, tmp_path, reference):
-    out = tmp_path / "run"
-    p = _launch(_args(corpus_prefix, out), out)
-    _wait_for(lambda: 3 in _logged_steps(out), p, "step 3")
+def _launch_steps(out: Path, tag: str) -> list[int]:
+    """Steps whose progress line the launch ``tag`` printed (rank 0's stdout): what THIS launch trained, where
+    metrics.jsonl may still hold the records a killed launch logged after its checkpoint until the re-run drops
+    them."""
+    try:
+        return [int(m) for m in re.findall(r"^step\s+(\d+)/", Path(f"{out}.{tag}.log").read_text(), re.M)]
+    except OSError:
+        return []
+
+
+def _kill9_mid_save(prefix: Path, out: Path, pause_log: Path) -> None:
+    """A fresh run; kill -9 of rank 1 while both ranks are inside the step-4 save (held by the fault hook before
+    COMPLETE): the interrupted save does not count, step 2 stays the latest checkpoint."""
+    # each rank sleeps 4 s after logging its pause; the kill follows the second rank's log within one 0.05 s poll
+    # (and a /proc scan), so rank 1 is still inside its pause when it dies
+    p = _launch(_args(prefix, out), out, "kill9_save", K3TRAIN_FAULT_PAUSE="checkpoint_before_complete:4:4",
+                K3TRAIN_FAULT_PAUSE_LOG=str(pause_log))
+    _wait_for(lambda: pause_log.is_file() and pause_log.read_text().count("rank=") == 2, p,
+              "both ranks inside the step-4 save")
+    assert (out / "checkpoints" / ".tmp_step_00000004").is_dir()
+    os.kill(_workers(p.pid)[1], signal.SIGKILL)
+    rc = p.wait(timeout=120)
+    assert rc != 0
+    assert _complete(out) == ["step_00000002"], "the interrupted step-4 save must not count"
+
+
+def _kill9_mid_step(prefix: Path, out: Path) -> None:
+    """The same command again resumes from step 2 (the killed save left none newer); kill -9 of rank 0 after
+    this launch's first step (3): torchrun exits non-zero well within the collective timeout, the survivor prints
+    one line naming the collective and its group, no worker traceback."""
+    p = _launch(_args(prefix, out), out, "kill9_step")
+    _wait_for(lambda: 3 in _launch_steps(out, "kill9_step"), p, "step 3")
     victim = _workers(p.pid)[0]
     t0 = time.monotonic()
     os.kill(victim, signal.SIGKILL)
     rc = p.wait(timeout=TIMEOUT_S + 60)
     elapsed = time.monotonic() - t0
-    err = _stderr(out)
+    err = _stderr(out, "kill9_step")
     print(f"kill -9 of rank 0 -> torchrun exit {rc} after {elapsed:.2f}s; {_k3_lines(err)}")
+    assert "resumed from" in err and "step_00000002 at step 2" in err, err[-3000:]
     assert rc != 0
     assert elapsed < TIMEOUT_S + 30, elapsed
     lines = _k3_lines(err)
@@ -142,8 +176,44 @@ def test_kill9_mid_step_exits_fast_with_one_line_and_resumes_exactly(corpus_pref
     assert re.match(r"k3train: error: rank 1: collective \w+ on group \w+ \(ranks \[[\d, ]+\]\) failed", lines[0]), \
         lines[0]
     assert f'File "{ROOT / "k3train"}' not in err, err[-4000:]  # no traceback from a worker
-    assert _complete(out), "a checkpoint (step 2) was written before the kill"
-    _run(_args(corpus_prefix, out), out)  # the same command again
+
+
+def _sigterm(prefix: Path, out: Path) -> int:
+    """The same command again resumes from the newest complete checkpoint (step 2, or 4 had the kill above
+    landed after that save); SIGTERM to torchrun after this launch's first step: both ranks stop after the same
+    step with its checkpoint, one line, no worker traceback. Returns that step."""
+    latest = int(_complete(out)[-1].split("_")[1])
+    p = _launch(_args(prefix, out), out, "sigterm")
+    _wait_for(lambda: latest + 1 in _launch_steps(out, "sigterm"), p, f"step {latest + 1}")
+    p.send_signal(signal.SIGTERM)  # what a cluster scheduler does; torchrun forwards it to both workers
+    rc = p.wait(timeout=120)
+    err = _stderr(out, "sigterm")
+    assert "resumed from" in err and f"step_{latest:08d} at step {latest}" in err, err[-3000:]
+    assert rc != 0  # torchrun itself re-raises the signal
+    lines = _k3_lines(err)
+    assert len(lines) == 1, err[-4000:]
+    m = re.fullmatch(r"k3train: stopped by SIGTERM at step (\d+); checkpoint (step_\d+) written .*", lines[0])
+    assert m, lines[0]
+    step = int(m.group(1))
+    assert latest < step < STEPS and m.group(2) == f"step_{step:08d}" and m.group(2) in _complete(out)
+    assert _logged_steps(out)[-1] == step
+    assert f'File "{ROOT / "k3train"}' not in err, err[-4000:]
+    return step
+
+
+def test_kill9_mid_save_then_mid_step_then_sigterm_each_resume_exactly(corpus_prefix, tmp_path, reference):
+    """One run directory interrupted three ways in turn, each by a re-run of the same command that resumed where
+    the previous launch left it: kill -9 of a rank inside a checkpoint save, kill -9 of a rank mid-step, SIGTERM
+    (preemption) to torchrun; a last re-run finishes. Every step in the directory -- those of each resumed launch
+    before its interruption and the last one's -- equals the uninterrupted run's, bit for bit. (Each
+    interruption's re-run is the next one's victim: as three tests they paid for three fresh launches and three
+    re-runs, here for one and three.)"""
+    out = tmp_path / "run"
+    _kill9_mid_save(corpus_prefix, out, tmp_path / "paused.log")
+    _kill9_mid_step(corpus_prefix, out)
+    step = _sigterm(corpus_prefix, out)
+    err = _run(_args(corpus_prefix, out), out)  # the same command again finishes the run
+    assert f"step_{step:08d} at step {step}" in err
     _assert_same_run(out, reference)
 
 
@@ -180,46 +250,6 @@ def test_stuck_rank_times_out_with_one_line(corpus_prefix, tmp_path):
     assert len(lines) == 1, err[-4000:]
     assert re.match(r"k3train: error: rank 0: collective \w+ on group \w+ .*failed: peer rank 1 did not answer "
                     rf"within {STUCK_TIMEOUT_S} s", lines[0]), lines[0]
-
-
-def test_kill9_mid_save_resumes_previous_checkpoint_exactly(corpus_prefix, tmp_path, reference):
-    out = tmp_path / "run"
-    pause_log = tmp_path / "paused.log"
-    # each rank sleeps 4 s after logging its pause; the kill follows the second rank's log within one 0.05 s poll
-    # (and a /proc scan), so rank 1 is still inside its pause when it dies
-    p = _launch(_args(corpus_prefix, out), out, K3TRAIN_FAULT_PAUSE="checkpoint_before_complete:4:4",
-                K3TRAIN_FAULT_PAUSE_LOG=str(pause_log))
-    _wait_for(lambda: pause_log.is_file() and pause_log.read_text().count("rank=") == 2, p,
-              "both ranks inside the step-4 save")
-    assert (out / "checkpoints" / ".tmp_step_00000004").is_dir()
-    os.kill(_workers(p.pid)[1], signal.SIGKILL)
-    rc = p.wait(timeout=120)
-    assert rc != 0
-    assert _complete(out) == ["step_00000002"], "the interrupted step-4 save must not count"
-    err = _run(_args(corpus_prefix, out), out)
-    assert "resumed from" in err and "step_00000002 at step 2" in err, err[-3000:]
-    _assert_same_run(out, reference)
-
-
-def test_sigterm_stops_all_ranks_at_one_step_with_checkpoint(corpus_prefix, tmp_path, reference):
-    out = tmp_path / "run"
-    p = _launch(_args(corpus_prefix, out), out)
-    _wait_for(lambda: 3 in _logged_steps(out), p, "step 3")
-    p.send_signal(signal.SIGTERM)  # what a cluster scheduler does; torchrun forwards it to both workers
-    rc = p.wait(timeout=120)
-    err = _stderr(out)
-    assert rc != 0  # torchrun itself re-raises the signal
-    lines = _k3_lines(err)
-    assert len(lines) == 1, err[-4000:]
-    m = re.fullmatch(r"k3train: stopped by SIGTERM at step (\d+); checkpoint (step_\d+) written .*", lines[0])
-    assert m, lines[0]
-    step = int(m.group(1))
-    assert 3 <= step < STEPS and m.group(2) == f"step_{step:08d}" and m.group(2) in _complete(out)
-    assert _logged_steps(out)[-1] == step
-    assert f'File "{ROOT / "k3train"}' not in err, err[-4000:]
-    err2 = _run(_args(corpus_prefix, out), out)
-    assert f"step_{step:08d} at step {step}" in err2
-    _assert_same_run(out, reference)
 
 
 def test_stop_checkpoint_past_the_deadline_keeps_the_last_one(corpus_prefix, tmp_path):

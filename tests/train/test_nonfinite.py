@@ -1,10 +1,11 @@
 """Non-finite steps: fault-injection spec, naming the first bad module, skipping without touching state, stopping.
 
 In-process: the diagnostic re-run names the injected module (forward output, or gradient) and nothing on a clean
-step; the checkpoint guard refuses NaN state. Through the real trainer (torchrun): pp=2 with a NaN injected on
-rank 1 -- the log names the module and rank, the step is skipped (checkpoints before and after it are equal,
-model, optimizer state and router biases included) and training continues; dp=2 with a NaN at every step from
-2 on -- the run stops after ``train.max_skipped_steps`` with exit 3 and every checkpoint written is finite.
+step; the checkpoint guard refuses NaN state. Through the real trainer (two ranks forked with torchrun's
+environment): pp=2 with a NaN injected on rank 1 -- the log names the module and rank, the step is skipped
+(checkpoints before and after it are equal, model, optimizer state and router biases included) and training
+continues; under torchrun itself, dp=2 with a NaN at every step from 2 on -- the run stops after
+``train.max_skipped_steps`` with exit 3 and every checkpoint written is finite.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from k3train.nonfinite import (EXIT_TRAINING_STOPPED, INJECT_ENV, NonFiniteGuard
 from parallel.dims import single_process_dims
 from parallel.pipeline.loss_norm import LossNorm
 from parallel.pipeline.runner import build_step_runner
-from train_helpers import FAST, read_metrics, run_train
+from train_helpers import FAST, read_metrics, run_train, run_train_forked
 
 
 def test_injection_spec():
@@ -97,7 +98,7 @@ def test_bad_injection_is_bad_input(corpus_prefix, monkeypatch):
         with pytest.raises(ConfigError, match=msg):
             check_injection(cfg)
     monkeypatch.setenv(INJECT_ENV, "step=2,module=layers.99.attn")
-    res = run_train(["--config", "configs/tiny.yaml", f"--data.path={corpus_prefix}", *FAST, "--check"])
+    res = run_train_forked(["--config", "configs/tiny.yaml", f"--data.path={corpus_prefix}", *FAST, "--check"])
     assert res.returncode == 2, res.stderr[-2000:]
     lines = [ln for ln in res.stderr.splitlines() if ln.startswith("k3train:")]
     assert lines == [f"k3train: error: {INJECT_ENV}: the model has no module 'layers.99.attn' (e.g. layers.0.attn, "
@@ -124,10 +125,10 @@ def _run_env(monkeypatch, spec):
     monkeypatch.setenv(INJECT_ENV, spec)
 
 
-def test_torchrun_pp2_skips_nan_step_and_continues(corpus_prefix, tmp_path, monkeypatch):
+def test_two_ranks_pp2_skips_nan_step_and_continues(corpus_prefix, tmp_path, monkeypatch):
     _run_env(monkeypatch, "step=2,rank=1,module=layers.7.attn")  # pp=2: layer 7 lives on the last stage
     out = tmp_path / "pp"
-    res = run_train(_args(corpus_prefix, out, 3, "--parallel.pp=2"), nproc=2)
+    res = run_train_forked(_args(corpus_prefix, out, 3, "--parallel.pp=2"), nproc=2)
     assert res.returncode == 0, res.stderr[-4000:]
     log = res.stdout + res.stderr
     assert "step 2: non-finite loss nan" in log

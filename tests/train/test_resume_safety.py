@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from k3train.checkpoint.manager import read_info, verify
-from train_helpers import FAST, assert_ok, assert_same_run, read_metrics, run_train
+from train_helpers import FAST, assert_ok, assert_same_run, read_metrics, run_train_forked
 
 STEPS = 8
 
@@ -36,7 +36,7 @@ def _ckpt(out: Path, step: int) -> Path:
 @pytest.fixture(scope="module")
 def reference(corpus_prefix, tmp_path_factory):
     out = tmp_path_factory.mktemp("reference")
-    assert_ok(run_train(_args(corpus_prefix, out, "--checkpoint.resume=none")))
+    assert_ok(run_train_forked(_args(corpus_prefix, out, "--checkpoint.resume=none")))
     assert [r["step"] for r in read_metrics(out)] == list(range(1, STEPS + 1))
     return out
 
@@ -62,13 +62,13 @@ def _same_losses(got, ref, exact=True):
 
 def test_new_run_refuses_a_used_dir_and_overwrite_moves_it_aside(corpus_prefix, at6):
     before = _snapshot(at6)
-    res = run_train(_args(corpus_prefix, at6, "--checkpoint.resume=none"))
+    res = run_train_forked(_args(corpus_prefix, at6, "--checkpoint.resume=none"))
     assert res.returncode == 2 and len(_error_lines(res)) == 1, res.stderr[-3000:]
     assert "already holds a run" in res.stderr and "--checkpoint.overwrite=true" in res.stderr
     assert _snapshot(at6) == before  # nothing truncated, pruned or rewritten (config.yaml included)
 
-    assert_ok(run_train(_args(corpus_prefix, at6, "--checkpoint.resume=none", "--checkpoint.overwrite=true",
-                        "--train.stop_at_step=2")))
+    assert_ok(run_train_forked(_args(corpus_prefix, at6, "--checkpoint.resume=none", "--checkpoint.overwrite=true",
+                               "--train.stop_at_step=2")))
     moved = at6 / "previous-1"
     assert _snapshot(moved) == before  # every old file, byte for byte, under previous-1/
     assert [r["step"] for r in read_metrics(at6)] == [1, 2]
@@ -89,7 +89,7 @@ def test_damaged_checkpoints_fall_back_to_the_newest_good_one(corpus_prefix, ref
     with open(next(_ckpt(out, 4).glob("*.distcp")), "r+b") as f:
         f.truncate(1000)
     (out / "checkpoints" / ".tmp_step_00000009").mkdir()  # a save that crashed before completing
-    res = run_train(_args(corpus_prefix, out))
+    res = run_train_forked(_args(corpus_prefix, out))
     assert_ok(res)
     assert "step_00000008 is damaged (__0_0.distcp fails its checksum" in res.stderr
     assert "step_00000006 is damaged (rank_00000.pt is missing)" in res.stderr
@@ -110,7 +110,7 @@ def test_damaged_explicit_resume_path_is_one_line_exit_2(corpus_prefix, referenc
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x5A  # same size: only the checksum shows it
     shard.write_bytes(bytes(data))
-    res = run_train(_args(corpus_prefix, out, f"--checkpoint.resume={_ckpt(out, 8)}", "--train.steps=10"))
+    res = run_train_forked(_args(corpus_prefix, out, f"--checkpoint.resume={_ckpt(out, 8)}", "--train.steps=10"))
     assert res.returncode == 2, res.stderr[-3000:]
     lines = _error_lines(res)
     assert len(lines) == 1 and "checkpoint.resume:" in lines[0] and "step_00000008 is damaged" in lines[0], lines
@@ -128,7 +128,7 @@ def test_a_different_run_is_refused_naming_the_keys(corpus_prefix, at6, tmp_path
         shutil.copy(meta, str(other) + ".meta.json")
     before = _snapshot(at6)
     args = _args(corpus_prefix, at6, "--model.hidden_size=96", "--train.seed=7", f"--data.path={other}")
-    res = run_train(args)
+    res = run_train_forked(args)
     assert res.returncode == 2 and len(_error_lines(res)) == 1, res.stderr[-3000:]
     line = _error_lines(res)[0]
     assert "belongs to a different run" in line
@@ -141,12 +141,12 @@ def test_schedule_change_warns_and_finished_run_has_nothing_to_do(corpus_prefix,
     out = tmp_path / "done"
     shutil.copytree(reference, out)
     before = _snapshot(out)
-    res = run_train(_args(corpus_prefix, out))  # step 8 of 8 exists: exit 0 at once, nothing built or written
+    res = run_train_forked(_args(corpus_prefix, out))  # step 8 of 8 exists: exit 0 at once, nothing built or written
     assert_ok(res)
     assert f"k3train: nothing to do: {_ckpt(out, 8)} is at step 8 >= train.steps=8" in res.stdout
     assert "layout:" not in res.stderr and "training steps" not in res.stderr and "loss" not in res.stdout
     assert _snapshot(out) == before
-    res = run_train(_args(corpus_prefix, out, "--train.steps=12", "--check"))
+    res = run_train_forked(_args(corpus_prefix, out, "--train.steps=12", "--check"))
     assert_ok(res)
     assert "changed LR schedule (train.steps 8 -> 12)" in res.stderr
     assert "the LR at step 8 is" in res.stderr and "under the old schedule" in res.stderr
@@ -157,8 +157,8 @@ def test_async_save_on_two_ranks_in_a_new_layout_resumes_exactly(corpus_prefix, 
     background; then resume the async-written step 7 in one process (resume=PATH with newer step 8 beside it:
     overwrite moves step 8 aside). Every step matches the uninterrupted run."""
     ref = read_metrics(reference)
-    assert_ok(run_train(_args(corpus_prefix, at6, "--parallel.pp=2", "--checkpoint.interval=1",
-                        "--checkpoint.async_save=true"), nproc=2))
+    assert_ok(run_train_forked(_args(corpus_prefix, at6, "--parallel.pp=2", "--checkpoint.interval=1",
+                               "--checkpoint.async_save=true"), nproc=2))
     for s in (7, 8):
         info = read_info(_ckpt(at6, s))
         assert info["world_size"] == 2 and {"__0_0.distcp", "__1_0.distcp", "rank_00001.pt"} <= set(info["files"])
@@ -166,8 +166,9 @@ def test_async_save_on_two_ranks_in_a_new_layout_resumes_exactly(corpus_prefix, 
     _same_losses(read_metrics(at6), ref, exact=False)
 
     step7 = _ckpt(at6, 7)
-    res = run_train(_args(corpus_prefix, at6, f"--checkpoint.resume={step7}"))
+    res = run_train_forked(_args(corpus_prefix, at6, f"--checkpoint.resume={step7}"))
     assert res.returncode == 2 and "would shadow this run" in res.stderr
-    assert_ok(run_train(_args(corpus_prefix, at6, f"--checkpoint.resume={step7}", "--checkpoint.overwrite=true")))
+    assert_ok(run_train_forked(_args(corpus_prefix, at6, f"--checkpoint.resume={step7}",
+                                     "--checkpoint.overwrite=true")))
     assert (at6 / "checkpoints" / "previous-1" / "step_00000008" / "COMPLETE").is_file()
     _same_losses(read_metrics(at6), ref, exact=False)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from k3train.checkpoint.fsio import file_record
-from train_helpers import FAST, assert_ok, run_train
+from train_helpers import FAST, assert_ok, run_train_forked
 
 
 class _Payload:
@@ -33,7 +33,7 @@ def _args(prefix, out, *extra):
 @pytest.fixture(scope="module")
 def one_step(corpus_prefix, tmp_path_factory):
     out = tmp_path_factory.mktemp("one_step")
-    assert_ok(run_train(_args(corpus_prefix, out, "--train.steps=1", "--checkpoint.resume=none")))
+    assert_ok(run_train_forked(_args(corpus_prefix, out, "--train.steps=1", "--checkpoint.resume=none")))
     return out
 
 
@@ -61,7 +61,7 @@ def test_resume_refuses_a_payload_in_one_line_and_runs_nothing(corpus_prefix, on
     info = json.loads((ckpt / "COMPLETE").read_text())
     info["files"] = {n: file_record(ckpt / n) for n in info["files"]}  # the manifest vouches for it again
     (ckpt / "COMPLETE").write_text(json.dumps(info))
-    res = run_train(_args(corpus_prefix, out, "--train.steps=2"))  # resume=auto picks step 1
+    res = run_train_forked(_args(corpus_prefix, out, "--train.steps=2"))  # resume=auto picks step 1
     assert res.returncode == 2, res.stderr[-3000:]
     lines = [ln for ln in res.stderr.splitlines() if ln.startswith("k3train: error:")]
     assert len(lines) == 1 and lines[0].startswith("k3train: error: checkpoint.resume: ") and what in lines[0], \

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from k3train.dist_env import child_pythonpath
 
@@ -20,6 +21,12 @@ FAST = ["--train.seq_len=64", "--train.global_batch_size=4", "--train.micro_batc
 # steps of the shared single-process reference run (the `straight` fixture of tests/train/conftest.py): a resumed run
 # stops at 2 and resumes; step 3's update is the first with the loaded optimizer state, and step 4's loss shows it
 STRAIGHT_STEPS = 4
+# the layouts that runs stopped after step 2 were made in (the `stopped_at_2` fixture; resumed by test_train_e2e.py
+# in the same layout, by test_resume_layouts.py in another): name -> (overrides, nproc)
+STOP_LAYOUTS = {
+    "pp2_vpp2": (["--parallel.pp=2", "--parallel.vpp=2", "--train.micro_batch_size=1", "--checkpoint.interval=1"], 2),
+    "dp2_ep2": (["--parallel.ep=2", "--parallel.zero=2"], 2),
+}
 
 
 def assert_same_run(got: list[dict], ref: list[dict], what: object = "") -> None:
@@ -36,11 +43,7 @@ def assert_same_run(got: list[dict], ref: list[dict], what: object = "") -> None
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=5e-4), (what, a["step"])
 
 
-def run_train(args: list[str], nproc: int = 0, timeout: float = 600,
-              env_extra: dict[str, str | None] | None = None) -> subprocess.CompletedProcess:
-    """``python -m k3train.train`` (nproc 0) or ``torchrun --nproc_per_node=nproc -m k3train.train``, in a fresh
-    temporary ``train.out_dir`` unless ``args`` names one.
-    ``env_extra``: environment changes on top of the defaults (a value of None removes the variable)."""
+def _run_env(env_extra: dict[str, str | None] | None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env.update(WANDB_MODE="disabled", OMP_NUM_THREADS="1", PYTHONPATH=child_pythonpath(ROOT))
     for k, v in (env_extra or {}).items():
@@ -48,14 +51,149 @@ def run_train(args: list[str], nproc: int = 0, timeout: float = 600,
             env.pop(k, None)
         else:
             env[k] = v
-    if not any(a.startswith("--train.out_dir") for a in args):
-        # never the config's own out_dir (runs/tiny: a user's `make train` run may be there)
-        args = [*args, f"--train.out_dir={tempfile.mkdtemp(prefix='k3train-test-run-')}"]
+    return env
+
+
+def _with_out_dir(args: list[str]) -> list[str]:
+    if any(a.startswith("--train.out_dir") for a in args):
+        return args
+    # never the config's own out_dir (runs/tiny: a user's `make train` run may be there)
+    return [*args, f"--train.out_dir={tempfile.mkdtemp(prefix='k3train-test-run-')}"]
+
+
+def run_train(args: list[str], nproc: int = 0, timeout: float = 600,
+              env_extra: dict[str, str | None] | None = None) -> subprocess.CompletedProcess:
+    """``python -m k3train.train`` (nproc 0) or ``torchrun --nproc_per_node=nproc -m k3train.train``, in a fresh
+    temporary ``train.out_dir`` unless ``args`` names one.
+    ``env_extra``: environment changes on top of the defaults (a value of None removes the variable)."""
+    env = _run_env(env_extra)
+    args = _with_out_dir(args)
     if nproc:
         cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", "-m", "k3train.train", *args]
     else:
         cmd = [PY, "-m", "k3train.train", *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _forked_rank(argv: list[str], env: dict[str, str], out: str, err: str) -> None:
+    """One process of :func:`run_train_forked`: the module ``k3train.train`` run as ``__main__`` (what ``python -m``
+    runs) in its own session (torchrun starts each worker so), stdout and stderr into the files ``out`` and
+    ``err``; it ends as the interpreter would: an uncaught exception's traceback and exit 1, ``sys.exit``'s code,
+    non-daemon threads joined (``threading._shutdown``, as :mod:`multiprocessing` does), ``atexit`` functions run."""
+    import atexit  # noqa: PLC0415
+    import runpy  # noqa: PLC0415
+    import threading  # noqa: PLC0415
+    import traceback  # noqa: PLC0415
+
+    os.setsid()
+    os.chdir(ROOT)
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, path in ((1, out), (2, err)):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(f, fd)
+        os.close(f)
+    sys.argv = ["k3train.train", *argv]
+    code: object = 0
+    try:
+        runpy.run_module("k3train.train", run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        code = e.code
+    except BaseException:  # noqa: BLE001 - what the interpreter does with an uncaught exception
+        traceback.print_exc()
+        code = 1
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):  # sys.exit("message"): printed, exit code 1
+        print(code, file=sys.stderr)
+        code = 1
+    threading._shutdown()  # noqa: SLF001 - the interpreter's exit: wait for non-daemon threads, then atexit
+    atexit._run_exitfuncs()  # noqa: SLF001
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _signal_rank(p: Any, sig: int) -> None:
+    """``sig`` to rank process ``p``'s session (what it started), or to ``p`` before it made one."""
+    try:
+        os.killpg(p.pid, sig)
+    except ProcessLookupError:
+        try:
+            os.kill(p.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+# torchrun's grace period between SIGTERM to the other workers of a failed one and SIGKILL
+TERM_GRACE_S = 30.0
+
+
+def run_train_forked(args: list[str], nproc: int = 0, timeout: float = 600,
+                     env_extra: dict[str, str | None] | None = None) -> subprocess.CompletedProcess:
+    """:func:`run_train` for the tests whose subject is what the trainer computes and writes, not the launcher or
+    the interpreter: the same module run as ``__main__`` with the same arguments and environment, in one process
+    (nproc 0) or ``nproc`` ranks, each forked from the session's fork server (tests/dist_helpers.py: torch and
+    k3train already imported, ~2-3 s of CPU less per process, and no torchrun agent process). The ranks get
+    torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT: the env://
+    rendezvous torchrun's workers use), each its own session; as torchrun does, the first rank that fails has the
+    others' sessions sent SIGTERM, then SIGKILL after ``TERM_GRACE_S``. Returns the exit code (the first failing
+    rank's, else 0; torchrun itself would exit 1 and print the worker's code) and the ranks' stdout and stderr,
+    rank 0's first. At ``timeout`` every rank's session is killed and ``subprocess.TimeoutExpired`` raised.
+    Variables that torch reads when it is imported (thread counts) cannot change in a forked rank: a test that
+    sets them uses :func:`run_train`."""
+    import shutil  # noqa: PLC0415
+    import signal  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    from dist_helpers import fork_context, free_port  # noqa: PLC0415
+
+    env = _run_env(env_extra)
+    fixed = [k for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS") if env.get(k) != os.environ.get(k)]
+    assert not fixed, f"{fixed} are read when torch is imported (the fork server did): use run_train"
+    args = _with_out_dir(args)
+    n = max(1, nproc)
+    envs = [dict(env) for _ in range(n)]
+    if nproc:
+        port = str(free_port())
+        for r, e in enumerate(envs):
+            e.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),
+                     MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    logs = Path(tempfile.mkdtemp(prefix="k3train-test-forked-"))
+    ctx = fork_context()
+    procs = [ctx.Process(target=_forked_rank, args=(args, envs[r], str(logs / f"{r}.out"), str(logs / f"{r}.err")))
+             for r in range(n)]
+    deadline = time.monotonic() + timeout
+    failed = None
+    try:
+        for p in procs:
+            p.start()
+        while alive := [p for p in procs if p.is_alive()]:  # one look: a rank may end between two
+            if failed is None:
+                failed = next((p for p in procs if p.exitcode not in (None, 0)), None)
+                if failed is not None:  # torchrun stops the other workers of a failed one
+                    for p in procs:
+                        if p.is_alive():
+                            _signal_rank(p, signal.SIGTERM)
+                    grace_end = time.monotonic() + TERM_GRACE_S
+            elif time.monotonic() > grace_end:
+                for p in procs:
+                    if p.is_alive():
+                        _signal_rank(p, signal.SIGKILL)
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(["k3train.train", *args], timeout)
+            alive[0].join(timeout=0.1)  # returns at once if it has ended since
+    finally:
+        for p in procs:
+            if p.pid is not None:
+                _signal_rank(p, signal.SIGKILL)  # the session: whatever a rank started dies with it
+                p.join()
+        text = {name: "".join((logs / f"{r}.{name}").read_text(errors="replace")
+                              for r in range(n) if (logs / f"{r}.{name}").is_file()) for name in ("out", "err")}
+        shutil.rmtree(logs, ignore_errors=True)
+    codes = [p.exitcode for p in procs]
+    rc = failed.exitcode if failed is not None else next((c for c in codes if c != 0), 0)
+    return subprocess.CompletedProcess(["k3train.train", *args], rc, text["out"], text["err"])
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
