@@ -291,3 +291,31 @@ def test_forwards_before_first_backward_is_the_schedule_prefix():
         assert forwards_before_first_backward(sched, pp, vpp, M) == want, (sched, pp, vpp, M)
         n += 1
     assert n > 40
+
+
+def test_measured_set_is_the_fastest_by_prediction():
+    """``--measure`` picks the k fastest fitting layouts BY PREDICTION: a row not simulated yet enters at its
+    step-time lower bound, is predicted when it reaches the front and re-enters there, so rows whose bounds are
+    low but predictions high never push out the chosen layout (2026-12-04: 8 such rows took every pick)."""
+    from k3train.planning.layouts import Layout
+    from k3train.planning.plan import PlanResult, Row, distinct_top
+    from k3train.planning.step_time import Prediction
+
+    def lay(pp: int, dp: int, mbs: int) -> Layout:
+        return Layout(pp=pp, vpp=1, dp=dp, cp=1, ep=1, moonep=False, zero=1, mbs=mbs, recompute=False,
+                      schedule="1f1b" if pp > 1 else "none")
+
+    def pred(s: float) -> Prediction:
+        return Prediction(step_s=s, compute=s, exposed_comm=0.0, bubble=0.0, optimizer=0.0)
+
+    best = Row(lay(2, 2, 4), lower_bound_s=0.40, pred=pred(0.415), peak_bytes=1, fits=True)
+    twin = Row(lay(2, 2, 4), lower_bound_s=0.40, pred=pred(0.416), peak_bytes=1, fits=True)  # same core
+    loose = [Row(lay(p, d, m), lower_bound_s=0.30, peak_bytes=1, fits=True) for p, d, m in
+             ((1, 4, 1), (1, 4, 2), (4, 1, 1), (4, 1, 2))]  # bounds below the best, predictions far above
+    slow_fits_not = Row(lay(2, 2, 8), lower_bound_s=0.2, pred=pred(0.3), peak_bytes=2, fits=False)
+    rows = [*loose, twin, best, slow_fits_not]
+    res = PlanResult(rows, 4, None, None, len(rows), {}, [])
+    later = {id(r): 0.6 + 0.01 * i for i, r in enumerate(loose)}
+    picked = distinct_top(None, res, 3, lambda planner, r, res: pred(later[id(r)]))
+    assert [r.pred.step_s for r in picked] == [0.415, 0.6, 0.61]
+    assert picked[0] is best and all(r.pred is not None for r in loose)
