@@ -28,8 +28,7 @@ import pytest
 import torch.distributed as dist
 
 from dist_helpers import run_distributed
-from train_helpers import FAST, ROOT, TORCHRUN, assert_ok, read_metrics, run_train_forked
-from k3train.dist_env import child_pythonpath
+from train_helpers import FAST, ROOT, TORCHRUN, assert_ok, read_metrics, run_train_forked, train_env
 
 # 8 steps, a checkpoint every 2: the chained interruptions of the test below each need a complete checkpoint
 # behind them and (SIGTERM) steps ahead
@@ -46,18 +45,12 @@ def _args(prefix: Path, out: Path, timeout_s: int = TIMEOUT_S) -> list[str]:
             f"--train.steps={STEPS}", *FAST, *LAYOUT, f"--parallel.collective_timeout_s={timeout_s}"]
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(WANDB_MODE="disabled", OMP_NUM_THREADS="1", PYTHONPATH=child_pythonpath(ROOT), **extra)
-    return env
-
-
 def _launch(args: list[str], out: Path, tag: str = "first", **env: str) -> subprocess.Popen:
     """torchrun in the background; its stdout/stderr go to ``<out>.<tag>.log`` / ``.err`` (beside ``out``)."""
     out.mkdir(parents=True, exist_ok=True)
     cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "k3train.train", *args]
     with open(f"{out}.{tag}.log", "w") as so, open(f"{out}.{tag}.err", "w") as se:
-        return subprocess.Popen(cmd, cwd=ROOT, env=_env(**env), stdout=so, stderr=se, text=True)
+        return subprocess.Popen(cmd, cwd=ROOT, env=train_env(env), stdout=so, stderr=se, text=True)
 
 
 def _stderr(out: Path, tag: str = "first") -> str:

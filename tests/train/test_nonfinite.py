@@ -121,12 +121,12 @@ def _flat_checkpoint(path, tmp_path):
     return {f"{sec}.{k}": v for sec in ("model", "optim") for k, v in sd[sec].items()}
 
 
-def _run_env(monkeypatch, spec):
+def _inject_env(monkeypatch, spec):
     monkeypatch.setenv(INJECT_ENV, spec)
 
 
 def test_two_ranks_pp2_skips_nan_step_and_continues(corpus_prefix, tmp_path, monkeypatch):
-    _run_env(monkeypatch, "step=2,rank=1,module=layers.7.attn")  # pp=2: layer 7 lives on the last stage
+    _inject_env(monkeypatch, "step=2,rank=1,module=layers.7.attn")  # pp=2: layer 7 lives on the last stage
     out = tmp_path / "pp"
     res = run_train_forked(_args(corpus_prefix, out, 3, "--parallel.pp=2"), nproc=2)
     assert res.returncode == 0, res.stderr[-4000:]
@@ -148,7 +148,7 @@ def test_two_ranks_pp2_skips_nan_step_and_continues(corpus_prefix, tmp_path, mon
 
 
 def test_torchrun_dp2_stops_after_max_skipped_steps(corpus_prefix, tmp_path, monkeypatch):
-    _run_env(monkeypatch, "step=2+,rank=1,module=layers.2.ffn")
+    _inject_env(monkeypatch, "step=2+,rank=1,module=layers.2.ffn")
     out = tmp_path / "dp"
     res = run_train(_args(corpus_prefix, out, 6, "--train.max_skipped_steps=2"), nproc=2)
     # every worker exits 3; torchrun itself then exits 1 and names the workers' exit code

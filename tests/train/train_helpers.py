@@ -43,7 +43,7 @@ def assert_same_run(got: list[dict], ref: list[dict], what: object = "") -> None
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=5e-4), (what, a["step"])
 
 
-def _run_env(env_extra: dict[str, str | None] | None) -> dict[str, str]:
+def train_env(env_extra: dict[str, str | None] | None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env.update(WANDB_MODE="disabled", OMP_NUM_THREADS="1", PYTHONPATH=child_pythonpath(ROOT))
     for k, v in (env_extra or {}).items():
@@ -66,7 +66,7 @@ def run_train(args: list[str], nproc: int = 0, timeout: float = 600,
     """``python -m k3train.train`` (nproc 0) or ``torchrun --nproc_per_node=nproc -m k3train.train``, in a fresh
     temporary ``train.out_dir`` unless ``args`` names one.
     ``env_extra``: environment changes on top of the defaults (a value of None removes the variable)."""
-    env = _run_env(env_extra)
+    env = train_env(env_extra)
     args = _with_out_dir(args)
     if nproc:
         cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", "-m", "k3train.train", *args]
@@ -148,7 +148,7 @@ def run_train_forked(args: list[str], nproc: int = 0, timeout: float = 600,
 
     from dist_helpers import fork_context, free_port  # noqa: PLC0415
 
-    env = _run_env(env_extra)
+    env = train_env(env_extra)
     fixed = [k for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS") if env.get(k) != os.environ.get(k)]
     assert not fixed, f"{fixed} are read when torch is imported (the fork server did): use run_train"
     args = _with_out_dir(args)
