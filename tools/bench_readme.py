@@ -32,7 +32,6 @@ import json
 import math
 import os
 import platform
-import resource
 import signal
 import socket
 import subprocess
@@ -45,6 +44,7 @@ from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
+from k3train.planning.host_busy import IDLE_OTHERS_CORES, cpu_seconds  # noqa: E402
 from bench_claims import (CLAIMS, FAST_MATMUL_GFLOPS, RUN_BY_NAME, RUNS, Claim, Measure, ParseError,  # noqa: E402
                           Run)
 
@@ -121,19 +121,6 @@ def format_conditions(c: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 # how busy the machine is
 # ---------------------------------------------------------------------------------------------------------------
-def cpu_seconds() -> tuple[float, float]:
-    """(the machine's busy CPU seconds, user + nice + system of /proc/stat -- nan without /proc --, this process's
-    and its reaped descendants' CPU seconds)."""
-    own = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    mine = sum(r.ru_utime + r.ru_stime for r in own)
-    try:
-        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
-        busy = sum(int(x) for x in fields[1:4]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        busy = math.nan
-    return busy, mine
-
-
 _SUBREAPER = [False]
 
 
@@ -338,7 +325,7 @@ def main(argv: list[str] | None = None, *, load: Callable[[], tuple[float, float
     ap.add_argument("--only", default="", help=f"comma-separated runs: {','.join(RUN_BY_NAME)}")
     ap.add_argument("--json", default="", metavar="FILE", help="write the conditions, runs and claims as JSON")
     ap.add_argument("--logs", default="", metavar="DIR", help="keep each run's stdout and stderr in DIR/RUN.log")
-    ap.add_argument("--max-load", type=float, default=0.5, help="busy above this (see above)")
+    ap.add_argument("--max-load", type=float, default=IDLE_OTHERS_CORES, help="busy above this (see above)")
     ap.add_argument("--settle-s", type=float, default=60.0, help="at the start, wait this long for the load to fall")
     ap.add_argument("--budget-s", type=float, default=40 * 60,
                     help="stop starting runs after this many seconds (their claims count as not measured)")

@@ -89,8 +89,13 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.device.lower() != "cpu" and args.measure:
             raise ConfigError(f"--measure runs on this machine: it needs --device cpu, not {args.device}")
-        dev = get_device(args.device, args.world_size, args.device_field, args.calibration, log)
         from k3train.planning.devices import cache_path
+        from k3train.planning.host_busy import OthersCpu
+
+        cal_file = cache_path(args.calibration)
+        cal_before = cal_file.read_bytes() if args.device.lower() == "cpu" and cal_file.exists() else None
+        others = OthersCpu()  # a calibration taken beside other work is discarded (_keep_calibration)
+        dev = get_device(args.device, args.world_size, args.device_field, args.calibration, log)
 
         lt = (LayerTimes(cache_path(args.calibration), dev.threads, log, config=args.config, overrides=overrides)
               if dev.is_cpu else None)
@@ -138,10 +143,16 @@ def main(argv: list[str] | None = None) -> int:
         bottom = slowest_fitting(planner, res, args.bottom, _predict_one)
         top = distinct_top(planner, res, args.measure, _predict_one)
         picks = top + [r for r in bottom if r not in top]
+    cal_note = _keep_calibration(cal_file, cal_before, others, lt) if dev.is_cpu else None
+    if cal_note:
+        res.notes.append(cal_note)
+    if args.measure:
         for r in picks:
             log(f"measuring {r.layout.short()} ({args.steps} steps) ...")
+            run_others = OthersCpu()
             r.measured = measure_step(args.config, overrides + r.layout.overrides(), args.world_size, args.steps,
                                       dev.threads)
+            r.measured["others_cores"] = run_others.cores()
         ranked = res.ranked()  # the picks traced layouts the budget had left out: they compete too
         chosen = ranked[0] if ranked else None
     if args.plot:
@@ -181,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"(planned in {res.seconds['total']:.1f} s: " + ", ".join(f"{k} {v:.1f}" for k, v in
                                                                      res.seconds.items() if k != "total") + ")")
     if args.measure:
+        from k3train.planning.host_busy import IDLE_OTHERS_CORES
+
         done = [r for r in res.rows if r.measured_step_s is not None]
         errs = sorted(abs(r.pred.step_s - r.measured_step_s) / r.measured_step_s for r in done)
         out = sys.stderr if args.json else sys.stdout
@@ -192,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
                                                                  "time_grad_norm_s")}
             ph = (f"   {r.pred.optimizer:.3f} / {m['time_optimizer_s']:.3f} "
                   f"({m['time_forward_backward_s']:.3f}, {m['time_grad_norm_s']:.3f}; {r.pred.host:.3f})")
-            print(f"{r.layout.short():<40} {r.pred.step_s:11.4f} {r.measured_step_s:11.4f} {100 * e:+6.1f}%{ph}",
+            busy = r.measured.get("others_cores", 0.0) > IDLE_OTHERS_CORES
+            print(f"{r.layout.short():<40} {r.pred.step_s:11.4f} {r.measured_step_s:11.4f} {100 * e:+6.1f}%{ph}"
+                  + (f"   BUSY: other processes used {r.measured['others_cores']:.2f} cores" if busy else ""),
                   file=out)
         rho = spearman([r.pred.step_s for r in done], [r.measured_step_s for r in done])
         med = errs[len(errs) // 2]
@@ -202,7 +217,41 @@ def main(argv: list[str] | None = None) -> int:
             print(f"OVER THE DOCUMENTED ACCURACY (median |error| <= {100 * DOCUMENTED_MEDIAN_ERROR:.0f}%, Spearman >= "
                   f"{DOCUMENTED_SPEARMAN}): the predicted step times above are not to be trusted on this host as "
                   f"they stand (was the machine idle? {_load_line()})", file=out)
+        n_busy = sum(r.measured.get("others_cores", 0.0) > IDLE_OTHERS_CORES for r in done)
+        if n_busy:
+            print(f"{n_busy} of {len(done)} measured runs had other processes using over {IDLE_OTHERS_CORES} cores "
+                  f"(BUSY above): their measured times, and so the errors, are not this host's", file=out)
     return 0
+
+
+def _keep_calibration(path: Path, before: bytes | None, others, lt) -> str | None:  # noqa: ANN001
+    """After the plan (and the predictions of ``--measure``'s picks): if this run calibrated anything (the cache
+    file changed) while other processes used over ``IDLE_OTHERS_CORES`` cores, put the file back as it was (the
+    next plan measures again) and say so; else record the run's conditions in the file. None: nothing calibrated."""
+    import time
+
+    from k3train.planning.devices import host_key, load_cache, save_cache
+    from k3train.planning.host_busy import IDLE_OTHERS_CORES
+
+    if lt is not None:
+        lt.save()
+    now = path.read_bytes() if path.exists() else None
+    if now == before:
+        return None
+    cores, wall = others.cores(), others.wall_s()
+    if cores > IDLE_OTHERS_CORES:
+        if before is None:
+            path.unlink()
+        else:
+            path.write_bytes(before)
+        return (f"CALIBRATION DISCARDED: other processes used {cores:.2f} cores on average while this host was "
+                f"calibrated ({wall:.0f} s), so every timing of it, and every prediction above, is off; {path} is "
+                f"as it was before: plan again on an idle machine")
+    data = load_cache(path)
+    runs = data.setdefault(host_key(lt.threads if lt is not None else 1), {}).setdefault("calibrated", [])
+    runs.append({"time": time.strftime("%Y-%m-%d %H:%M"), "wall_s": round(wall, 1), "others_cores": round(cores, 3)})
+    save_cache(path, data)
+    return f"calibrated in this run ({wall:.0f} s): other processes used {cores:.2f} cores on average meanwhile"
 
 
 # the accuracy the README states for --measure on an idle host (tiny and small configs, world 4)

@@ -1,0 +1,56 @@
+"""k3train/planning/host_busy.py and tools/plan.py's rule for a calibration taken beside other work: other
+processes' CPU is seen (a busy process that is not ours), and a calibration disturbed by it is put back as it was,
+while an undisturbed one is kept with its conditions recorded."""
+import json
+import subprocess
+import sys
+import time
+
+from k3train.planning.devices import host_key
+from k3train.planning.host_busy import IDLE_OTHERS_CORES, OthersCpu
+from tools.plan import _keep_calibration
+
+
+def test_a_busy_process_that_is_not_ours_is_counted() -> None:
+    hog = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 30: pass"])
+    try:
+        time.sleep(0.3)  # the interpreter is up and spinning
+        others = OthersCpu()
+        time.sleep(1.5)
+        seen = others.cores()
+    finally:
+        hog.kill()
+        hog.wait()
+    # the spinning process takes about one of the cores (at least its share beside anything else running)
+    assert seen > IDLE_OTHERS_CORES, seen
+
+
+class _Seen:
+    """What OthersCpu reported over the calibration (the measurement itself is tested above)."""
+
+    def __init__(self, cores: float) -> None:
+        self._cores = cores
+
+    def cores(self) -> float:
+        return self._cores
+
+    def wall_s(self) -> float:
+        return 12.0
+
+
+def test_a_disturbed_calibration_is_put_back_and_a_clean_one_kept(tmp_path) -> None:
+    path = tmp_path / "cal.json"
+    assert _keep_calibration(path, None, _Seen(0.9), None) is None  # nothing calibrated: nothing said
+    path.write_text('{"old": 1}')
+    before = path.read_bytes()
+    path.write_text('{"old": 1, "new": 2}')  # what this run measured
+    note = _keep_calibration(path, before, _Seen(0.9), None)
+    assert note.startswith("CALIBRATION DISCARDED") and "0.90 cores" in note
+    assert path.read_bytes() == before
+    path.write_text('{"new": 2}')
+    assert "DISCARDED" in _keep_calibration(path, None, _Seen(0.9), None) and not path.exists()
+    path.write_text('{"new": 2}')
+    note = _keep_calibration(path, None, _Seen(0.1), None)
+    assert "0.10 cores" in note and "DISCARDED" not in note
+    data = json.loads(path.read_text())
+    assert data["new"] == 2 and data[host_key(1)]["calibrated"][-1]["others_cores"] == 0.1
