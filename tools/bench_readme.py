@@ -145,6 +145,25 @@ def reap_orphans() -> None:
         pass
 
 
+def end_group(pgid: int, grace_s: float = 10.0) -> None:
+    """After a run's main process ended: wait until the rest of its process group has ended too (at most
+    ``grace_s``, then kill it), reaping the orphans adopted meanwhile -- a multiprocessing fork server that exits
+    just after the run, with the CPU of the ranks it reaped, is the run's own work, not another process's."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        reap_orphans()
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        if time.monotonic() > deadline:
+            os.killpg(pgid, signal.SIGKILL)
+            time.sleep(0.1)
+            reap_orphans()
+            return
+        time.sleep(0.05)
+
+
 @dataclass
 class LoadGuard:
     """The busy-machine checks of the module docstring. ``load`` returns the load averages (os.getloadavg)."""
@@ -228,7 +247,7 @@ def execute(run: Run, tmp: Path, timeout_s: float) -> Outcome:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
         wall = time.perf_counter() - t0
-        reap_orphans()
+        end_group(p.pid)
         busy1, mine1 = cpu_seconds()
         out.seek(0)
         err.seek(0)

@@ -231,3 +231,15 @@ def test_execute_kills_the_process_group_at_the_limit(tmp_path: Path) -> None:
                                    "os.environ['K3TRAIN_CACHE_DIR'])"), "", 1, 2, lambda out: {})
     o = br.execute(quick, tmp_path, timeout_s=60)
     assert o.rc == 0 and o.out.split() == ["1", str(tmp_path / "cache")]
+
+
+def test_execute_waits_for_what_the_run_leaves_behind(tmp_path: Path) -> None:
+    """A process of the run's group that outlives its main process (as a multiprocessing fork server does, with
+    the CPU of the ranks it reaped) is waited for: its work is the run's, measured inside the run, not counted as
+    another process's during the next one."""
+    done = tmp_path / "late_done"
+    child = f"import time, pathlib; time.sleep(1.5); pathlib.Path({str(done)!r}).touch()"
+    late = bc.Run("late", ("-c", f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {child!r}])"),
+                  "", 1, 2, lambda out: {})
+    o = br.execute(late, tmp_path, timeout_s=60)
+    assert o.rc == 0 and done.exists()
