@@ -2,27 +2,49 @@
 processes' CPU is seen (a busy process that is not ours), and a calibration disturbed by it is put back as it was,
 while an undisturbed one is kept with its conditions recorded."""
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
 
 from k3train.planning.devices import host_key
-from k3train.planning.host_busy import IDLE_OTHERS_CORES, OthersCpu
+from k3train.planning.host_busy import IDLE_OTHERS_CORES, OthersCpu, own_cpu_seconds
 from tools.plan import _keep_calibration
 
 
+_SPIN = "import time\nt = time.time()\nwhile time.time() - t < 30: pass"
+
+
 def test_a_busy_process_that_is_not_ours_is_counted() -> None:
-    hog = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 30: pass"])
+    # started through a launcher that exits at once: the spinning process is not a descendant of this one
+    launcher = subprocess.run([sys.executable, "-c", "import subprocess as s, sys; print(s.Popen([sys.executable, "
+                               f"'-c', {_SPIN!r}], start_new_session=True, stdout=s.DEVNULL, stderr=s.DEVNULL).pid)"],
+                              capture_output=True, text=True, check=True)
+    hog = int(launcher.stdout)
     try:
         time.sleep(0.3)  # the interpreter is up and spinning
         others = OthersCpu()
         time.sleep(1.5)
         seen = others.cores()
     finally:
-        hog.kill()
-        hog.wait()
+        os.kill(hog, signal.SIGKILL)
     # the spinning process takes about one of the cores (at least its share beside anything else running)
     assert seen > IDLE_OTHERS_CORES, seen
+
+
+def test_a_live_descendant_is_our_own() -> None:
+    """A child not waited for yet (as the ranks of a fork server that lives as long as the planner) is this
+    process's work: its CPU time counts as ours while it runs, not as another process's."""
+    before = own_cpu_seconds()
+    child = subprocess.Popen([sys.executable, "-c", "import time\nwhile time.process_time() < 1.0: pass\n"
+                              "print('spun', flush=True)\ntime.sleep(30)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "spun"
+        assert own_cpu_seconds() - before >= 0.95
+    finally:
+        child.kill()
+        child.wait()
 
 
 class _Seen:
