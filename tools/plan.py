@@ -155,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
             r.measured["others_cores"] = run_others.cores()
         ranked = res.ranked()  # the picks traced layouts the budget had left out: they compete too
         chosen = ranked[0] if ranked else None
+    if chosen is not None:  # its exposed communication by kind, pipeline transfers included (one simulation more)
+        chosen.pred = _predict_one(planner, chosen, res, split_p2p=True)
     if args.plot:
         plot(res, args.plot, chosen, ref_row)
     if args.json:
@@ -189,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(format_table(res, [ref_row]).splitlines()[1])
         if chosen is not None:
             print(f"chosen: {chosen.layout.short()}  ({' '.join(chosen.layout.overrides())})")
+            print(f"  {exposed_line(chosen.pred)}")
         print(f"(planned in {res.seconds['total']:.1f} s: " + ", ".join(f"{k} {v:.1f}" for k, v in
                                                                      res.seconds.items() if k != "total") + ")")
     if args.measure:
@@ -266,7 +269,7 @@ def _load_line() -> str:
     return f"load average {one:.2f} / {five:.2f} over 1 / 5 min on {os.cpu_count()} cores"
 
 
-def _predict_one(planner, row, res):  # noqa: ANN001, ANN202
+def _predict_one(planner, row, res, split_p2p=False):  # noqa: ANN001, ANN202
     from k3train.planning.layouts import Validator
     from k3train.planning.step_time import ParamFacts, predict
 
@@ -274,7 +277,23 @@ def _predict_one(planner, row, res):  # noqa: ANN001, ANN202
     part = Validator(res.base_cfg, res.world).partition(row.cfg)
     opt_times = planner.lt.optimizer_in_trainer(res.base_cfg, facts.infos) if planner.lt is not None else None
     return predict(row.cfg, row.layout, part, planner.programs(row.layout, row.cfg.train.grad_accum_steps),
-                   planner.dev, facts, planner.lt, planner.skew, opt_times)
+                   planner.dev, facts, planner.lt, planner.skew, opt_times, split_p2p=split_p2p)
+
+
+_KIND_NAMES = {"ep_all_to_all": "EP all-to-all", "moonep_replicas": "MoonEP replica transfers", "kcp": "KCP",
+               "mla_cp": "MLA-CP", "grad_reduce": "gradient reduction", "zero_param_gather": "ZeRO parameter gather",
+               "small_collectives": "small collectives"}
+
+
+def exposed_line(pred) -> str:  # noqa: ANN001
+    """The exposed communication of one prediction by kind, as shares of its step."""
+    by = pred.detail["exposed_by_kind"]
+    parts = [f"{_KIND_NAMES[k]} {100 * v / pred.step_s:.1f}%" for k, v in by.items() if v > 0]
+    s = (f"exposed communication {100 * pred.exposed_comm / pred.step_s:.1f}% of the step: "
+         + (", ".join(parts) or "none"))
+    if "p2p_in_bubble_s" in pred.detail:
+        s += f"; pipeline p2p {100 * pred.detail['p2p_in_bubble_s'] / pred.step_s:.1f}% (inside the bubble)"
+    return s
 
 
 def _lb(rows) -> str:  # noqa: ANN001

@@ -50,6 +50,7 @@ whose ranks share a node uses NVLink, else the inter-node link.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -249,6 +250,7 @@ class ActionCosts:
     f_comm: list[float]     # exposed in-action communication
     b_comm: list[float]
     msg_s: dict[int, tuple[float, float]]  # boundary -> (latency, transfer seconds) per message
+    comm_kinds: list[dict[str, float]] = field(default_factory=list)  # per stage: f_comm + b_comm by kind
 
 
 def anchor_of(layer_times: Any, cfg: Any) -> Any:
@@ -303,11 +305,12 @@ def mla_context(cfg: Any, cp: int) -> int:
     return 2 * t_full - t_full // cp - 1
 
 
-def comm_per_layer(cfg: Any, dev: Device, lay: Any, skew: float,
-                   p2p: list[list[int]] | None = None) -> tuple[list[float], list[float]]:
+def comm_per_layer(cfg: Any, dev: Device, lay: Any, skew: float, p2p: list[list[int]] | None = None,
+                   kinds: list[dict[str, float]] | None = None) -> tuple[list[float], list[float]]:
     """Per layer (forward, backward) exposed EP / KCP / MLA-CP seconds per micro-batch (module docstring); the
     list has one more entry than the backbone: the MTP layer (MLA attention + the last layer's FFN kind), which
-    runs on the last stage. Call counts are the implementation's (checked against a traced step). ``p2p``: per
+    runs on the last stage. ``kinds``, if given, receives per layer ``{kind: (forward, backward) seconds}`` over
+    :data:`IN_ACTION_KINDS` (the same terms, by collective). Call counts are the implementation's (checked against a traced step). ``p2p``: per
     layer (and the MTP layer last) ``[calls, bytes]`` of MoonEP's point-to-point in the forward, then in the
     backward, as its dispatcher issued them for one micro-batch (``--device cpu``: counted while the layers are
     timed, k3train/planning/layer_bench.py); without it the replica transfers come from the skew."""
@@ -324,6 +327,11 @@ def comm_per_layer(cfg: Any, dev: Device, lay: Any, skew: float,
     for j, i in enumerate(layers):
         kind = "mla" if j == L else m.layer_kind(i)
         f = b = 0.0
+        by: dict[str, tuple[float, float]] = {}
+
+        def mark(k: str) -> None:  # what f and b gained since the previous mark is kind k's
+            by[k] = (f - sum(x[0] for x in by.values()), b - sum(x[1] for x in by.values()))
+
         if lay.ep > 1 and m.is_moe_layer(i):
             rows = N * m.num_experts_per_token
             sk = 1.0 if lay.moonep else skew
@@ -334,6 +342,7 @@ def comm_per_layer(cfg: Any, dev: Device, lay: Any, skew: float,
                             calls=2 * n_disp)
             f += a2a + ring_time("all_gather", n_disp * lay.ep * m.num_experts * 4, ep_ranks, dev, calls=n_disp)
             b += a2a
+            mark("ep_all_to_all")
             if lay.moonep and p2p is not None and p2p[j] is not None:
                 fc, fbytes, bc, bbytes = p2p[j]
                 lat, bwid = group_link(ep_ranks, dev)
@@ -347,6 +356,7 @@ def comm_per_layer(cfg: Any, dev: Device, lay: Any, skew: float,
                 if red:  # the shared replica pool: fetched in forward, fetched again + fp32 grads reduced back
                     f += dev.call_cost("p2p") + lat + red * w * es / bwid
                     b += 2 * (dev.call_cost("p2p") + lat) + red * w * (es + 4) / bwid
+            mark("moonep_replicas")
         if lay.cp > 1:
             if kind == "kda":
                 # kcp/halo.py: the short convolutions' halo (all-gather forward, reduce-scatter backward);
@@ -359,6 +369,7 @@ def comm_per_layer(cfg: Any, dev: Device, lay: Any, skew: float,
                       + ring_time("all_gather", halo, cp_ranks, dev, calls=hc))
                 b += (ring_time("all_gather", pairs, cp_ranks, dev, calls=hc)
                       + ring_time("reduce_scatter", halo, cp_ranks, dev, calls=hc))
+                mark("kcp")
             else:
                 lat_b = B * T * lay.cp * (m.kv_lora_rank + m.qk_rope_head_dim) * es
                 f += ring_time("all_gather", lat_b, cp_ranks, dev)
@@ -368,11 +379,21 @@ def comm_per_layer(cfg: Any, dev: Device, lay: Any, skew: float,
                     swap = dev.call_cost("all_to_all") + lat + B * (T - T // 2) * m.hidden_size * es / bwid
                     f += 2 * swap
                     b += 2 * swap
+                mark("mla_cp")
         fw.append(f)
         bw.append(b)
+        if kinds is not None:
+            kinds.append(by)
     if lay.cp > 1:  # kcp/context.py: the layout exchange of every micro-batch (shapes, document edges)
-        fw[0] += ring_time("all_gather", lay.cp * B * 64, cp_ranks, dev, calls=2)
+        ex = ring_time("all_gather", lay.cp * B * 64, cp_ranks, dev, calls=2)
+        fw[0] += ex
+        if kinds is not None:
+            kinds[0]["kcp"] = (kinds[0].get("kcp", (0.0, 0.0))[0] + ex, kinds[0].get("kcp", (0.0, 0.0))[1])
     return fw, bw
+
+
+# the in-action collectives by kind (comm_per_layer), and the rest of a step's communication (predict)
+IN_ACTION_KINDS = ("ep_all_to_all", "moonep_replicas", "kcp", "mla_cp")
 
 
 _MEMO: dict[tuple, Any] = {}
@@ -388,9 +409,11 @@ def _layer_terms(cfg: Any, dev: Device, lay: Any, layer_times: Any, skew: float)
             t = layer_times.layers(cfg, lay.mbs, cfg.train.seq_len // lay.cp, lay.ep, True)
             if "p2p_layers" in t:
                 p2p = list(t["p2p_layers"]) + [t.get("p2p_head")]
-        _MEMO[key] = (layer_compute(cfg, dev, lay, layer_times, skew), comm_per_layer(cfg, dev, lay, skew, p2p),
+        kinds: list[dict[str, float]] = []
+        _MEMO[key] = (layer_compute(cfg, dev, lay, layer_times, skew),
+                      comm_per_layer(cfg, dev, lay, skew, p2p, kinds), kinds,
                       (cfg.model, dev, layer_times))  # keep the id()s alive
-    return _MEMO[key][:2]
+    return _MEMO[key][:3]
 
 
 def action_costs(cfg: Any, dev: Device, lay: Any, part: Any, plan: Any, layer_times: Any,
@@ -399,19 +422,23 @@ def action_costs(cfg: Any, dev: Device, lay: Any, part: Any, plan: Any, layer_ti
 
     from k3train.planning.memory import plan_bytes
 
-    (emb, layers, head), (cf, cb) = _layer_terms(cfg, dev, lay, layer_times, skew)
+    (emb, layers, head), (cf, cb), kinds = _layer_terms(cfg, dev, lay, layer_times, skew)
     n = part.num_stages
-    f, b, fc, bc = [], [], [], []
+    f, b, fc, bc, ck = [], [], [], [], []
     for v in range(n):
         s, e = part.bounds[v]
         k = 2 if lay.recompute else 1  # the backward under recompute re-runs the forward (layer_compute)
         fv = sum(layers[i][0] for i in range(s, e)) + (emb[0] if v == 0 else 0) + (head[0] if v == n - 1 else 0)
         bv = sum(layers[i][k] for i in range(s, e)) + (emb[k] if v == 0 else 0) + (head[k] if v == n - 1 else 0)
         fcv, bcv = sum(cf[s:e]), sum(cb[s:e])
+        mine = kinds[s:e] + (kinds[len(layers):] if v == n - 1 else [])
         if v == n - 1:  # the MTP layer's communication (comm_per_layer's extra entry)
             fcv, bcv = fcv + sum(cf[len(layers):]), bcv + sum(cb[len(layers):])
         if lay.recompute:
             bcv = bcv + fcv
+        # per kind, forward + backward of the action pair (under recompute the forward's collectives twice)
+        ck.append({k: sum((2 if lay.recompute else 1) * d[k][0] + d[k][1] for d in mine if k in d)
+                   for k in IN_ACTION_KINDS})
         f.append(fv)
         b.append(bv)
         fc.append(fcv)
@@ -426,7 +453,7 @@ def action_costs(cfg: Any, dev: Device, lay: Any, part: Any, plan: Any, layer_ti
             src, dst = (bd % lay.pp) * stride, ((bd + 1) % lay.pp) * stride
             lat, bwid = dev.link(node_of(src, dev) == node_of(dst, dev))
             msg[bd] = (lat + dev.call_cost("p2p"), nbytes / bwid)
-    return ActionCosts(f=f, b=b, f_comm=fc, b_comm=bc, msg_s=msg)
+    return ActionCosts(f=f, b=b, f_comm=fc, b_comm=bc, msg_s=msg, comm_kinds=ck)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -616,8 +643,14 @@ def _opt_pieces(facts: ParamFacts, cfg: Any, dev: Device, opt_times: dict[str, f
 
 
 def predict(cfg: Any, lay: Any, part: Any, programs: list[list[Any]], dev: Device, facts: ParamFacts,
-            layer_times: Any = None, skew: float = 1.5, opt_times: dict[str, float] | None = None) -> Prediction:
-    """Predicted seconds of one optimizer step of ``cfg`` under layout ``lay`` (module docstring)."""
+            layer_times: Any = None, skew: float = 1.5, opt_times: dict[str, float] | None = None,
+            split_p2p: bool = False) -> Prediction:
+    """Predicted seconds of one optimizer step of ``cfg`` under layout ``lay`` (module docstring).
+    ``detail['exposed_by_kind']`` splits the exposed communication by what it is (it sums to ``exposed_comm``):
+    the in-action kinds of :data:`IN_ACTION_KINDS` on the critical pipeline rank, the gradient reduction left after
+    the pipeline, ZeRO's parameter all-gather and the per-step small collectives. ``split_p2p``: the programs are
+    simulated once more with free pipeline messages; ``detail['p2p_in_bubble_s']`` is how much longer the
+    pipeline takes for its point-to-point transfers (a part of the bubble)."""
     from parallel.pipeline.attnres_comm import AttnResCommPlan
 
     plan = AttnResCommPlan(part, cfg.parallel.attnres_comm) if lay.pp > 1 else None
@@ -668,12 +701,22 @@ def predict(cfg: Any, lay: Any, part: Any, programs: list[list[Any]], dev: Devic
     bubble = max(0.0, sim.makespan - compute - in_action)
     optimizer = max(opt)
     exposed = max(0.0, step - compute - bubble - optimizer - host)
+    # the critical rank's in-action seconds (simulated at wall speed) shared out as its stages' terms are
+    mine = part.local_stages(crit)
+    total = sum(costs.f_comm[v] + costs.b_comm[v] for v in mine)
+    by_kind = {k: in_action * sum(costs.comm_kinds[v][k] for v in mine) / total if total > 0 else 0.0
+               for k in IN_ACTION_KINDS}
+    by_kind.update(grad_reduce=max(finish) - sim.makespan, zero_param_gather=max(bcast), small_collectives=fixed)
+    detail = {"pipeline_s": sim.makespan, "in_action_comm_s": in_action, "dp_reduce_s": max(finish) - sim.makespan,
+              "param_bcast_s": max(bcast), "fixed_collectives_s": fixed, "critical_pp_rank": crit,
+              "stage_f_s": costs.f, "stage_b_s": costs.b, "exposed_by_kind": by_kind}
+    if split_p2p:
+        free = dataclasses.replace(costs, msg_s={})
+        alone = simulate_programs(programs, lay.pp, part.vpp, free, dpcp,
+                                  dev.rank_speed if dev.shares_cores else None)
+        detail["p2p_in_bubble_s"] = max(0.0, sim.makespan - alone.makespan)
     return Prediction(step_s=step, compute=compute, exposed_comm=exposed, bubble=bubble, optimizer=optimizer,
-                      host=host,
-                      detail={"pipeline_s": sim.makespan, "in_action_comm_s": in_action,
-                              "dp_reduce_s": max(finish) - sim.makespan, "param_bcast_s": max(bcast),
-                              "fixed_collectives_s": fixed, "critical_pp_rank": crit,
-                              "stage_f_s": costs.f, "stage_b_s": costs.b})
+                      host=host, detail=detail)
 
 
 def compute_lower_bound(cfg: Any, lay: Any, part: Any, dev: Device, facts: ParamFacts, layer_times: Any,
