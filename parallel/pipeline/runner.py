@@ -22,7 +22,13 @@ Both have the same interface:
                                                             a head of its own, e.g. the EAGLE-3 draft, which may
                                                             run its own forward + backward there)
     runner.current                      (kind 'F'|'B'|'EF'|'EB', virtual stage, micro-batch) of the compute
-                                        running now (for diagnostic hooks, see k3train/nonfinite.py)
+                                        running now (for diagnostic hooks, see k3train/nonfinite.py; the main
+                                        thread's: a paired forward is not reported)
+    runner.pair                         None, or the :class:`parallel.pairing.PairExecutor` of F/B pairing
+                                        (``parallel.overlap_ep``; pp = 1 only): ``forward_backward`` runs the
+                                        forward of micro-batch m+1 on its worker thread (side 1) while the
+                                        backward of micro-batch m runs here (side 0); ``with runner.unpaired():``
+                                        runs the plain order (the non-finite diagnosis re-run)
 
 Vision encoder (a vision model at pp > 1, ``parallel.encoder_schedule``): ``inline`` runs it inside the first
 stage's forward (``embed_batch``) and its backward inside that stage's backward. ``bubbles`` / ``before`` give it
@@ -39,6 +45,7 @@ the data-parallel reduction is the optimizer's job.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -49,6 +56,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel.comm_stats import ByteCounter
+from parallel.pairing import PairExecutor
 from parallel.pipeline.attnres_comm import AttnResCommPlan, BlockCache, StageInput
 from parallel.pipeline.loss_norm import LossNorm
 from parallel.pipeline.p2p import Instr, P2PTransport, build_programs
@@ -106,6 +114,7 @@ class StepRunner:
                                                    else [])
         self.last_stats: dict[str, Any] = {}
         self.current: tuple[str, int, int] | None = None
+        self.pair: PairExecutor | None = None
         self._head: Callable[[Any, Any, Any], dict[str, torch.Tensor]] | None = None  # forward_only(head=)
 
     def refresh_params(self) -> None:
@@ -124,6 +133,23 @@ class StepRunner:
         with torch.no_grad():
             for p in self.shared_params:
                 dist.broadcast(p.data, src=src, group=group)
+
+    def enable_pairing(self, rank: int) -> None:
+        """Pair the forward of micro-batch m+1 with the backward of micro-batch m (``parallel.overlap_ep``; the
+        communicating modules must have side-1 resources: ``apply_expert_parallel(..., paired=True)``)."""
+        if self.partition.pp > 1:
+            raise NotImplementedError("F/B pairing of the pipeline schedules (pp > 1) is not implemented")
+        if self.pair is None:
+            self.pair = PairExecutor(rank)
+
+    @contextlib.contextmanager
+    def unpaired(self) -> Any:
+        """Run the block's steps without F/B pairing (same results, one thread)."""
+        pair, self.pair = self.pair, None
+        try:
+            yield
+        finally:
+            self.pair = pair
 
     def _hook(self, params: list[nn.Parameter]) -> None:
         if self.on_chunk_backward_done is not None and params:
@@ -164,19 +190,22 @@ class LocalRunner(StepRunner):
     """pp = 1: gradient accumulation over the micro-batches through the same interface."""
 
     def forward_backward(self, micro_batches: list[Any], norm: LossNorm) -> dict[str, Any]:
-        """Forward + backward of every micro-batch on the whole model. Returns the summed loss statistics."""
+        """Forward + backward of every micro-batch on the whole model. Returns the summed loss statistics.
+        With :attr:`pair`: F(0), then F(m+1) paired with B(m) for every m, then B(M-1) (the same gradient and
+        statistics accumulation order as unpaired)."""
         t_step = time.perf_counter()
         stats = self._new_stats()
         self.counter.reset()
         self.refresh_params()
-        for mb, batch in enumerate(micro_batches):
-            self.current = ("F", 0, mb)
-            seq = self.make_seq(batch)  # outside recomputation: under CP it builds a collective context
-            sums = run_maybe_recomputed(functools.partial(self._run, batch, seq), self.recompute_chunk)
-            loss = norm(sums)
-            self.current = ("B", 0, mb)
-            loss.backward()
-            self._add_sums(stats, sums, loss)
+        if self.pair is not None and len(micro_batches) > 1:
+            self._paired(micro_batches, norm, stats)
+        else:
+            for mb, batch in enumerate(micro_batches):
+                self.current = ("F", 0, mb)
+                sums, loss = self._forward(batch, norm)
+                self.current = ("B", 0, mb)
+                loss.backward()
+                self._add_sums(stats, sums, loss)
         self.current = None
         for params in self.chunk_params:
             self._hook(params)
@@ -185,6 +214,38 @@ class LocalRunner(StepRunner):
         stats["compute_s"] = stats["step_s"] = time.perf_counter() - t_step
         self.last_stats = stats
         return stats
+
+    def _forward(self, batch: Any, norm: LossNorm) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        seq = self.make_seq(batch)  # outside recomputation: under CP it builds a collective context
+        sums = run_maybe_recomputed(functools.partial(self._run, batch, seq), self.recompute_chunk)
+        return sums, norm(sums)
+
+    def _paired(self, micro_batches: list[Any], norm: LossNorm, stats: dict[str, Any]) -> None:
+        """F(0); F(m+1) on the pair worker (side 1) while B(m) runs here (side 0); B(M-1) (see :attr:`pair`)."""
+        from k3train.fault_injection import raise_point
+
+        def forward(mb: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+            raise_point("pair_forward", mb)
+            return self._forward(micro_batches[mb], norm)
+
+        def backward(mb: int, loss: torch.Tensor) -> None:
+            raise_point("pair_backward", mb)
+            loss.backward()
+
+        self.current = ("F", 0, 0)
+        sums, loss = self._forward(micro_batches[0], norm)
+        last = len(micro_batches) - 1
+        for mb in range(last + 1):
+            self.current = ("B", 0, mb)
+            if mb < last:
+                nxt, _ = self.pair.run(functools.partial(forward, mb + 1), functools.partial(backward, mb, loss),
+                                       f"forward of micro-batch {mb + 1}", f"backward of micro-batch {mb}")
+            else:
+                loss.backward()
+                nxt = None
+            self._add_sums(stats, sums, loss)
+            if nxt is not None:
+                sums, loss = nxt
 
     def _run(self, batch: Any, seq: Any) -> dict[str, torch.Tensor]:
         state = self.model.forward_layers(self.model.embed_batch(batch), 0, self.partition.num_layers, seq)
