@@ -180,7 +180,8 @@ class ParallelConfig:
     # F/B pairing (parallel/pairing.py): the forward of micro-batch m+1 runs while the backward of micro-batch m
     # does, on a second thread and a second EP group, so one side's expert all-to-all waits while the other side
     # computes; results are bit-identical to false. Applies where Config.ep_overlap() says (ep > 1, more than one
-    # micro-batch per step, pp = 1, cp = 1); elsewhere this setting changes nothing
+    # micro-batch per step, cp = 1; at pp > 1 the adjacent F/B computes of each rank's program are paired, see
+    # parallel/pipeline/p2p_programs.py: pair_programs); elsewhere this setting changes nothing
     overlap_ep: bool = True
     attnres_comm: str = "cached"  # "cached" | "full"
     schedule: str = "auto"  # "auto" (interleaved 1F1B if vpp > 1 else 1F1B) | "1f1b" | "interleaved" | "afab"
@@ -713,7 +714,6 @@ class Config:
         why = ("parallel.overlap_ep=false" if not p.overlap_ep
                else "no expert parallelism (ep = 1 or no routed experts)" if p.ep == 1 or m.num_experts == 0
                else "one micro-batch per step" if t.grad_accum_steps < 2
-               else "pipeline parallelism (pp > 1) is not paired yet" if p.pp > 1
                else "context parallelism (cp > 1): its collectives are not split by side" if p.cp > 1
                else "train.objective=eagle3 runs its own step" if t.objective != "lm"
                else "")

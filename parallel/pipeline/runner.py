@@ -25,9 +25,10 @@ Both have the same interface:
                                         running now (for diagnostic hooks, see k3train/nonfinite.py; the main
                                         thread's: a paired forward is not reported)
     runner.pair                         None, or the :class:`parallel.pairing.PairExecutor` of F/B pairing
-                                        (``parallel.overlap_ep``; pp = 1 only): ``forward_backward`` runs the
-                                        forward of micro-batch m+1 on its worker thread (side 1) while the
-                                        backward of micro-batch m runs here (side 0); ``with runner.unpaired():``
+                                        (``parallel.overlap_ep``): ``forward_backward`` runs a forward on its
+                                        worker thread (side 1) while a backward of another micro-batch runs here
+                                        (side 0) -- pp = 1: F(m+1) with B(m); pp > 1: adjacent F/B computes of
+                                        the program (p2p_programs.pair_programs); ``with runner.unpaired():``
                                         runs the plain order (the non-finite diagnosis re-run)
 
 Vision encoder (a vision model at pp > 1, ``parallel.encoder_schedule``): ``inline`` runs it inside the first
@@ -60,7 +61,7 @@ from parallel.pairing import PairExecutor
 from parallel.pipeline.attnres_comm import AttnResCommPlan, BlockCache, StageInput
 from parallel.pipeline.loss_norm import LossNorm
 from parallel.pipeline.p2p import Instr, P2PTransport, build_programs
-from parallel.pipeline.p2p_programs import insert_encoder_computes
+from parallel.pipeline.p2p_programs import insert_encoder_computes, pair_programs
 from parallel.pipeline.partition import PipelinePartition, build_partition, describe_partition
 from parallel.pipeline.schedules import (Action, Message, build_schedule, forward_only_schedule, place_encoder,
                                          resolve_schedule, simulate, theoretical_bubble)
@@ -137,8 +138,6 @@ class StepRunner:
     def enable_pairing(self, rank: int) -> None:
         """Pair the forward of micro-batch m+1 with the backward of micro-batch m (``parallel.overlap_ep``; the
         communicating modules must have side-1 resources: ``apply_expert_parallel(..., paired=True)``)."""
-        if self.partition.pp > 1:
-            raise NotImplementedError("F/B pairing of the pipeline schedules (pp > 1) is not implemented")
         if self.pair is None:
             self.pair = PairExecutor(rank)
 
@@ -292,7 +291,8 @@ class PipelineRunner(StepRunner):
         self.p2p = P2PTransport(dims.ranks("pp"), part.pp, self.n_stages - 1, max_items, self.counter,
                                 placement=self.placement)
         self.embd_group = dims.group("embd") if self.shared_embedding else None
-        self._programs: dict[tuple[int, bool, bool], tuple[list[Action], list[Instr], float]] = {}
+        self._programs: dict[tuple[int, bool, bool, bool], tuple[list[Action], list[Instr], float]] = {}
+        self._pair_firsts: dict[tuple[int, bool, bool, bool], set[Action]] = {}  # the first compute of each pair
         self.device = next(self.model.parameters()).device
         self._forward_only = False  # set per step by begin_step
 
@@ -306,10 +306,12 @@ class PipelineRunner(StepRunner):
         actions, program, bubble = self._fb_program(num_microbatches, forward_only)
         if self.encoder_schedule == "inline":
             return actions, program, bubble
+        # (paired programs: an encoder compute put between the two computes of a pair just unpairs them)
         if micro_batches is None or len(micro_batches) != num_microbatches:
             raise ValueError("program(): the encoder placement needs the step's micro-batches")
         f, b, ef, eb = self.encoder_costs(micro_batches)
-        key = (num_microbatches, forward_only, self.post_ahead, tuple(ef), tuple(eb))
+        key = (num_microbatches, forward_only, self.post_ahead, self._paired_programs(forward_only), tuple(ef),
+               tuple(eb))
         if key not in self._placed:
             pp, vpp = self.partition.pp, self.partition.vpp
             sched = build_schedule(self.schedule, pp, vpp, num_microbatches)
@@ -343,7 +345,8 @@ class PipelineRunner(StepRunner):
 
     def _fb_program(self, num_microbatches: int, forward_only: bool) -> tuple[list[Action], list[Instr], float]:
         """The F/B schedule's ``(actions, program, bubble)`` of this rank (cached)."""
-        key = (num_microbatches, forward_only, self.post_ahead)
+        paired = self._paired_programs(forward_only)
+        key = (num_microbatches, forward_only, self.post_ahead, paired)
         if key not in self._programs:
             pp, vpp = self.partition.pp, self.partition.vpp
             sched = build_schedule(self.schedule, pp, vpp, num_microbatches)
@@ -351,6 +354,9 @@ class PipelineRunner(StepRunner):
                 sched = forward_only_schedule(sched)
             sim = simulate(sched, pp, vpp)
             programs = build_programs(sched, pp, vpp, sim, post_ahead=self.post_ahead)
+            if paired:  # F/B pairing: adjacent F/B computes run together (every rank derives the same pairs)
+                programs, firsts = pair_programs(programs, pp, vpp)
+                self._pair_firsts[key] = firsts[self.pp_rank]
             self._programs[key] = (sched[self.pp_rank], programs[self.pp_rank], sim.bubble)
             if self.dims.rank == 0 and not forward_only:
                 # the log's bubble from the partition table's stage costs (the program above is unchanged)
@@ -362,6 +368,9 @@ class PipelineRunner(StepRunner):
                          "(pp-1)/(vpp*M+pp-1))", self.schedule, pp, vpp, num_microbatches, real,
                          theoretical_bubble(pp, vpp, num_microbatches))
         return self._programs[key]
+
+    def _paired_programs(self, forward_only: bool) -> bool:
+        return self.pair is not None and not forward_only
 
     def _specs(self, msg: Message, batches: list[Any]) -> tuple[list[tuple[tuple[int, ...], torch.dtype]], list[str]]:
         B, T = batches[msg.mb].tokens.shape[:2]
@@ -378,8 +387,17 @@ class PipelineRunner(StepRunner):
         default group between this pipeline's ranks; an all-reduce over ``embd`` when the MTP shares the
         embedding. Returns this rank's stats (loss sums are non-zero on the last stage only) and p2p bytes."""
         program = self.begin_step(micro_batches, norm)
-        for ins in program:
-            self.run_instr(ins)
+        firsts = self._pair_firsts.get((len(micro_batches), False, self.post_ahead, True), set())
+        i = 0
+        while i < len(program):
+            ins = program[i]
+            if (ins.op == "compute" and ins.action in firsts and i + 1 < len(program)
+                    and program[i + 1].op == "compute"):
+                self.run_pair(ins.action, program[i + 1].action)
+                i += 2
+            else:
+                self.run_instr(ins)
+                i += 1
         return self.end_step()
 
     @torch.no_grad()
@@ -456,6 +474,38 @@ class PipelineRunner(StepRunner):
             if a.is_encoder:
                 self._stats["encoder_s"] += dt
             self.action_times.append((a, dt - (self.p2p.wait_s - w0)))  # without the time blocked on receives
+            chunk = self._hook_after.get(self._idx_of[a])
+            if chunk is not None:
+                self._hook(list(self.chunk_params[chunk]))
+
+    def run_pair(self, x: Action, y: Action) -> None:
+        """Run the adjacent computes ``x`` then ``y`` of the program as one paired action (:attr:`pair`): the F on
+        the pair worker (side 1), the B here (side 0); sends and hooks as after ``x`` then ``y``."""
+        from k3train.fault_injection import raise_point
+
+        for _ in (x, y):  # the send-completion rule of two computes (p2p_programs.py), before both start
+            self.p2p.complete_sends(self.p2p.generation - 1)
+            self.p2p.generation += 1
+        f, b = (x, y) if x.kind == "F" else (y, x)
+        vf, vb = (self.placement.stage(self.pp_rank, a.chunk) for a in (f, b))
+        t0, w0 = time.perf_counter(), self.p2p.wait_s
+        self.current = ("B", vb, b.mb)
+
+        def forward() -> None:
+            raise_point("pair_forward", f.mb)
+            self._forward(f)
+
+        def backward() -> None:
+            raise_point("pair_backward", b.mb)
+            self._backward(b)
+
+        self.pair.run(forward, backward, f"forward of micro-batch {f.mb} (virtual stage {vf})",
+                      f"backward of micro-batch {b.mb} (virtual stage {vb})")
+        dt = time.perf_counter() - t0
+        self._stats["compute_s"] += dt
+        for a in (x, y):  # half of the pair's time each (receive waits excluded)
+            self.action_times.append((a, (dt - (self.p2p.wait_s - w0)) / 2))
+        for a in (x, y):
             chunk = self._hook_after.get(self._idx_of[a])
             if chunk is not None:
                 self._hook(list(self.chunk_params[chunk]))

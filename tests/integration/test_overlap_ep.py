@@ -1,7 +1,10 @@
 """``parallel.overlap_ep`` (F/B pairing, parallel/pairing.py) through the real trainer step at dp = 2 x ep = 2,
 three micro-batches per rank (two paired actions per step): overlap on vs off gives bit-identical per-step
 losses and grad norms, every parameter gradient after every step, and every parameter and optimizer-state entry
-after 3 steps -- with MoonEP, without it, and with activation recomputation.
+after 3 steps -- with MoonEP, without it, and with activation recomputation. The same at pp = 2 x vpp = 2 x dp = 2
+x ep = 2 (MoonEP, ZeRO-2: the chunk hooks after a pair), four micro-batches: the interleaved schedule's adjacent
+F/B computes paired (p2p_programs.pair_programs), the collectives of every group (``ep`` and ``ep_pair`` apart)
+identical across its ranks.
 
 Then a forced failure inside one side of a pair (``K3TRAIN_FAULT_RAISE``, k3train/fault_injection.py) on every
 rank: the step ends with one :class:`PairedActionError` naming the failed side on each rank, no hang; the ranks
@@ -25,10 +28,10 @@ VARIANTS = [("moonep", []), ("no_moonep", ["--parallel.moonep=false"]), ("moonep
                                                                          ["--parallel.recompute=true"])]
 
 
-def _run(out: Path, layout: list[str], overlap: bool, keep: bool = False):
+def _run(out: Path, layout: list[str], overlap: bool, keep: bool = False, world: int = WORLD, ep: list = EP):
     from k3train.trainer import Trainer
 
-    tr = Trainer(parity_cfg(out, STEPS, WORLD, EP + layout + [f"--parallel.overlap_ep={str(overlap).lower()}"]))
+    tr = Trainer(parity_cfg(out, STEPS, world, ep + layout + [f"--parallel.overlap_ep={str(overlap).lower()}"]))
     assert (tr.pm.runner.pair is not None) == overlap
     steps = []
     for _ in range(STEPS):
@@ -86,3 +89,29 @@ def _body(rank: int, world: int, out: str) -> None:
 
 def test_overlap_ep_bit_identical_and_fails_cleanly(tmp_path: Path) -> None:
     run_distributed(_body, WORLD, str(tmp_path))
+
+
+PP_EP = ["--parallel.pp=2", "--parallel.vpp=2", "--parallel.ep=2", "--parallel.zero=2",
+         "--train.global_batch_size=8"]  # dp 2, 4 micro-batches per pipeline
+
+
+def _pp_body(rank: int, world: int, out: str) -> None:
+    from collective_trace import assert_collectives_match, trace_collectives
+
+    _, off_steps, off_params, off_state = _run(Path(out) / "pp_off", [], False, world=world, ep=PP_EP)
+    with trace_collectives() as trace:
+        tr, on_steps, on_params, on_state = _run(Path(out) / "pp_on", [], True, keep=True, world=world, ep=PP_EP)
+    everyone = assert_collectives_match(trace)
+    assert any(e.desc == "ep_pair" for e in everyone[rank]), "no collective on the pair side"
+    firsts = tr.pm.runner._pair_firsts
+    assert firsts and all(len(f) >= 2 for f in firsts.values()), firsts  # steady-state pairs on every rank
+    for s, ((l0, n0, g0), (l1, n1, g1)) in enumerate(zip(off_steps, on_steps)):
+        assert (l0, n0) == (l1, n1), f"pp step {s + 1}: loss/grad norm {(l0, n0)} vs {(l1, n1)}"
+        _same(g0, g1, f"pp step {s + 1} gradient")
+    _same(off_params, on_params, "pp parameter")
+    _same(off_state, on_state, "pp optimizer state")
+    tr.close(destroy_groups=False)
+
+
+def test_overlap_ep_pipeline_bit_identical(tmp_path: Path) -> None:
+    run_distributed(_pp_body, 4, str(tmp_path))
