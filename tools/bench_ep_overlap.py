@@ -2,6 +2,7 @@
 overlap on vs off, through the real trainer step on gloo ranks (CPU).
 
     .venv/bin/python tools/bench_ep_overlap.py                       # configs/small.yaml, dp2 ep2, 4 micro-batches
+    .venv/bin/python tools/bench_ep_overlap.py --world 4 --pp 2 --vpp 2   # pp2 vpp2 dp2 ep2 (4 ranks)
     .venv/bin/python tools/bench_ep_overlap.py --config configs/tiny.yaml --steps 6 --micro-batches 6
     .venv/bin/python tools/bench_ep_overlap.py --moonep false --recompute true --train.seq_len=128
 
@@ -16,7 +17,7 @@ Per rank and setting (medians over the steps after ``--warmup``):
 
 The results are identical either way (tests/integration/test_overlap_ep.py); only the time differs. Numbers
 from a loaded or oversubscribed machine (fewer free cores than 2 x ranks) are not meaningful: give it an idle
-machine. Only pp = 1 is paired so far.
+machine. At pp > 1 the adjacent F/B computes of each rank's program are paired (p2p_programs.pair_programs).
 """
 from __future__ import annotations
 
@@ -96,6 +97,7 @@ def _body(rank: int, world: int, args: argparse.Namespace, _: dict) -> None:
                 f"--parallel.moonep={args.moonep}", f"--parallel.recompute={args.recompute}",
                 f"--parallel.overlap_ep={str(overlap).lower()}", "--train.micro_batch_size=1",
                 f"--train.global_batch_size={args.micro_batches * world // args.pp}", f"--parallel.pp={args.pp}",
+                f"--parallel.vpp={args.vpp}",
                 f"--train.steps={args.warmup + args.steps}", "--train.device=cpu", f"--train.out_dir={out}",
                 "--logging.wandb=false", "--logging.peak_flops=1e9", "--logging.level=WARNING",
                 "--checkpoint.resume=none", "--checkpoint.interval=0", "--checkpoint.save_final=false",
@@ -133,7 +135,8 @@ def main() -> None:
     ap.add_argument("--config", default="configs/small.yaml")
     ap.add_argument("--world", type=int, default=2, help="gloo ranks (dp = world / pp)")
     ap.add_argument("--ep", type=int, default=2)
-    ap.add_argument("--pp", type=int, default=1, help="only pp = 1 is paired so far")
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--vpp", type=int, default=1)
     ap.add_argument("--micro-batches", type=int, default=4, help="micro-batches per rank per step")
     ap.add_argument("--moonep", default="true")
     ap.add_argument("--recompute", default="false")
@@ -147,8 +150,8 @@ def main() -> None:
         args.out = tmp
         from dist_helpers import run_distributed
 
-        print(f"{args.config}: world {args.world}, pp {args.pp}, ep {args.ep}, {args.micro_batches} micro-batches "
-              f"per rank, moonep {args.moonep}, recompute {args.recompute}; {args.steps} steps after "
+        print(f"{args.config}: world {args.world}, pp {args.pp}, vpp {args.vpp}, ep {args.ep}, {args.micro_batches} "
+              f"micro-batches per pipeline, moonep {args.moonep}, recompute {args.recompute}; {args.steps} steps after "
               f"{args.warmup} warm-up")
         run_distributed(_body, args.world, args, {}, timeout=3000)
 
