@@ -177,6 +177,12 @@ class ParallelConfig:
     cp: int = 1
     ep: int = 1  # taken from within dp x cp
     moonep: bool = True
+    # F/B pairing (parallel/pairing.py): the forward of micro-batch m+1 runs while the backward of micro-batch m
+    # does, on a second thread and a second EP group, so one side's expert all-to-all waits while the other side
+    # computes; results are bit-identical to false. Applies where Config.ep_overlap() says (ep > 1, more than one
+    # micro-batch per step, cp = 1; at pp > 1 the adjacent F/B computes of each rank's program are paired, see
+    # parallel/pipeline/p2p_programs.py: pair_programs); elsewhere this setting changes nothing
+    overlap_ep: bool = True
     attnres_comm: str = "cached"  # "cached" | "full"
     schedule: str = "auto"  # "auto" (interleaved 1F1B if vpp > 1 else 1F1B) | "1f1b" | "interleaved" | "afab"
     pp_layers: list[int] = field(default_factory=list)  # explicit layers per virtual stage (pp*vpp entries)
@@ -700,6 +706,18 @@ class Config:
              f"{m.attn_res_block_size}), got {blocks}", "train.draft_feature_blocks", "model.attn_res_block_size")
         need(p.cp == 1, "parallel.cp", "train.objective=eagle3 (the draft's training-time test) does not run under "
              "context parallelism; use parallel.cp=1", "parallel.cp", "train.objective")
+
+    def ep_overlap(self) -> tuple[bool, str]:
+        """Whether ``parallel.overlap_ep`` pairs the forward of micro-batch m+1 with the backward of micro-batch m
+        in this run (validated config), and why not when it does not (for the log line)."""
+        m, p, t = self.model, self.parallel, self.train
+        why = ("parallel.overlap_ep=false" if not p.overlap_ep
+               else "no expert parallelism (ep = 1 or no routed experts)" if p.ep == 1 or m.num_experts == 0
+               else "one micro-batch per step" if t.grad_accum_steps < 2
+               else "context parallelism (cp > 1): its collectives are not split by side" if p.cp > 1
+               else "train.objective=eagle3 runs its own step" if t.objective != "lm"
+               else "")
+        return not why, why
 
     def to_dict(self) -> dict[str, Any]:
         """Settable fields per section, plus a ``derived`` section (ignored when loaded back)."""

@@ -241,8 +241,14 @@ def parallelize(cfg: Config, dims: ParallelDims, device: torch.device) -> Parall
     if cfg.model.num_experts > 0:
         from moonep import apply_expert_parallel
 
-        ep_state = apply_expert_parallel(runner.modules, dims, moonep=cfg.parallel.moonep)
+        paired, why_not = cfg.ep_overlap()  # parallel.overlap_ep: F/B pairing (parallel/pairing.py)
+        ep_state = apply_expert_parallel(runner.modules, dims, moonep=cfg.parallel.moonep, paired=paired)
         log_moe_layers(runner.modules, dims, cfg.parallel.moonep)
+        if paired:
+            runner.enable_pairing(dims.rank)
+        if dims.rank == 0 and dims.ep > 1:
+            log.info("overlap_ep: %s", "on (the forward of micro-batch m+1 paired with the backward of m, on a "
+                     "second thread and EP group)" if paired else f"off ({why_not})")
         if cfg.train.qat != "none" or cfg.train.qat_activations != "none":
             from k3train.quant.qat import apply_qat  # MXFP4 QAT of the routed experts (own shards and replicas)
 

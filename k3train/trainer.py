@@ -245,9 +245,10 @@ class Trainer:
             ostats = self.optimizer.step(lr)
             t_opt = time.perf_counter() - t_opt
         else:  # skip: name the first non-finite module (a diagnostic re-run on every rank), change nothing
-            def rerun() -> None:
+            def rerun() -> None:  # unpaired (parallel.overlap_ep): the diagnosis hooks follow one thread
                 self.optimizer.zero_grad()
-                fb(micro_batches, norm)
+                with self.pm.runner.unpaired():
+                    fb(micro_batches, norm)
 
             report = self.nonfinite.diagnose(rerun)
             self.optimizer.zero_grad()
@@ -355,5 +356,8 @@ class Trainer:
         if destroy_groups and hasattr(self, "ckpt"):  # a background checkpoint still writing completes first
             self.ckpt.close()
         self.metrics.close() if hasattr(self, "metrics") else None
+        if hasattr(self, "pm") and self.pm.runner.pair is not None:  # the F/B pairing worker thread
+            self.pm.runner.pair.close()
+            self.pm.runner.pair = None
         if destroy_groups:
             shutdown()

@@ -8,11 +8,12 @@ Public API:
     sync_router_balance(model, dims) -> metrics                               QB statistics all-reduce + bias step
     collect_moonep_metrics(modules) -> metrics                                per-layer load / replicas / bytes
     EPDispatcher                                                              the dispatcher (LocalDispatcher API)
+    EPSide                                                                    one F/B-pairing side's groups/buffers
     ReplicaPool                                                               replica banks shared by all MoE layers
     plan_redundant_experts, plan_static, split_tokens, bounds                 the pure planner
 """
 from moonep.comm import CommBuffers, all_to_all_autograd, token_buffer_rows
-from moonep.dispatcher import EPDispatcher
+from moonep.dispatcher import EPDispatcher, EPSide
 from moonep.metrics import collect_moonep_metrics
 from moonep.planner import (
     Plan,
@@ -37,7 +38,7 @@ from moonep.shard import (
 )
 
 __all__ = [
-    "CommBuffers", "EPDispatcher", "ExpertParallelState", "Plan", "ReplicaPool", "all_reduce_router_stats",
+    "CommBuffers", "EPDispatcher", "EPSide", "ExpertParallelState", "Plan", "ReplicaPool", "all_reduce_router_stats",
     "all_to_all_autograd",
     "apply_expert_parallel", "as_expert_dtensor", "collect_moonep_metrics", "dcp_state_dict", "gather_full_experts",
     "is_expert_param", "mark_expert_params", "param_reduce_group", "plan_redundant_experts", "plan_static",

@@ -34,7 +34,9 @@ count varies (up to ``R*N*min(k, n)``). Reference: ``LocalDispatcher`` / ``laten
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,6 +49,7 @@ from moonep.metrics import DispatchRecord, LayerMetrics
 from moonep.planner import Plan
 from moonep.prefetch import weight_bytes_per_replica
 from moonep.replica_pool import BankHolder, ReplicaJob, ReplicaPool, bank_saved_tensor_hooks
+from parallel.pairing import current_side
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +71,27 @@ def _grouped_ffn() -> Any:
     return grouped_expert_ffn
 
 
+@dataclass
+class EPSide:
+    """What one side of F/B pairing (:mod:`parallel.pairing`) communicates with: its EP group, its replica-weight
+    group (over the same ranks), its token buffers and its replica pool. Side 0 is the dispatcher's own; side 1
+    (``parallel.overlap_ep``) has groups and buffers of its own, so a paired forward and backward never share a
+    process group, a buffer or a pool bank."""
+
+    ep_group: Any
+    weight_group: Any
+    buffers: CommBuffers
+    pool: ReplicaPool
+
+
+def _job_on(job: ReplicaJob | None, side: EPSide) -> ReplicaJob | None:
+    """``job`` fetching over ``side``'s weight group (a backward may run on another side than its forward); the
+    same key, so a bank filled for it is still found."""
+    if job is None or job.group is side.weight_group:
+        return job
+    return dataclasses.replace(job, group=side.weight_group)
+
+
 class EPDispatcher:
     """Expert-parallel dispatch/combine with optional MoonEP redundancy (module docstring).
 
@@ -76,12 +100,15 @@ class EPDispatcher:
     ``ep_group``); ``buffers``: persistent token buffers shared by all dispatchers of a model; ``pool``: the
     replica pool shared by them; ``chunk`` / ``order``: the model chunk and the dispatcher's MoE-layer index in
     forward order (a layer prefetches the replicas of ``order - 1`` of its chunk for the backward that follows its
-    own); ``name``: the layer's FQN for metrics; ``impl``: ``grouped_expert_ffn``'s implementation.
+    own); ``name``: the layer's FQN for metrics; ``impl``: ``grouped_expert_ffn``'s implementation;
+    ``pair_side``: the resources of side 1 (:class:`EPSide`) for F/B pairing. Each call and each backward uses
+    the side of the thread running it (:func:`parallel.pairing.current_side`).
     """
 
     def __init__(self, *, num_experts: int, ep_group: Any, ep_ranks: list[int], ep_rank: int, moonep: bool = True,
                  weight_group: Any = None, buffers: CommBuffers | None = None, name: str = "",
-                 impl: str = "auto", pool: ReplicaPool | None = None, chunk: int = 0, order: int = 0) -> None:
+                 impl: str = "auto", pool: ReplicaPool | None = None, chunk: int = 0, order: int = 0,
+                 pair_side: EPSide | None = None) -> None:
         if num_experts % len(ep_ranks) != 0:
             raise ValueError(f"EPDispatcher: num_experts={num_experts} not divisible by ep={len(ep_ranks)}")
         self.num_experts, self.ep, self.ep_rank = num_experts, len(ep_ranks), ep_rank
@@ -94,6 +121,16 @@ class EPDispatcher:
         self.chunk, self.order = chunk, order
         self.metrics = LayerMetrics()
         self.last_plan: Plan | None = None
+        self.sides = [EPSide(self.ep_group, self.weight_group, self.buffers, self.pool)]
+        if pair_side is not None:
+            self.sides.append(pair_side)
+
+    def _side(self) -> EPSide:
+        k = current_side()
+        if k >= len(self.sides):
+            raise RuntimeError(f"EPDispatcher {self.name}: called on pairing side {k}, but it has no resources for "
+                               f"it (apply_expert_parallel(..., paired=True) builds them)")
+        return self.sides[k]
 
     def __repr__(self) -> str:
         return (f"EPDispatcher(name={self.name!r}, E={self.num_experts}, ep={self.ep}, rank={self.ep_rank}, "
@@ -114,7 +151,7 @@ class EPDispatcher:
         # the experts' numerics: SiTU betas, QAT (quant), the activation (SiTU-GLU / SwiGLU)
         act = (experts.situ_beta, experts.situ_linear_beta, getattr(experts, "quant", None), experts.act)
         y = _EPExperts.apply(x_latent, experts.w_gate, experts.w_up, experts.w_down, self, topk_idx, act)
-        y = y.view(n_tok, k, -1)
+        y = y.view(n_tok, k, y.shape[-1])  # explicit width: a rank may route no tokens
         acc = torch.promote_types(y.dtype, torch.float32)
         return (y.to(acc) * topk_weight.to(acc).unsqueeze(-1)).sum(dim=1).to(y.dtype)
 
@@ -139,13 +176,14 @@ class EPDispatcher:
         n_tok, k = topk_idx.shape
         width, dev, dt = x.shape[1], x.device, x.dtype
         need_grad = any(ctx.needs_input_grad[:4])
+        side = self._side()
 
         # 1. counts all-gather, overlapped with the local per-expert ranking of the routes
         local = local_route_positions(topk_idx, E)
-        gathered, handle = all_gather_counts(local[1], self.ep_group, R)
+        gathered, handle = all_gather_counts(local[1], side.ep_group, R)
         send_cap, recv_cap = token_buffer_rows(n_tok, k, R, n, self.moonep)
-        self.buffers.reserve("send", send_cap, width, dt, dev)
-        self.buffers.reserve("recv", recv_cap, width, dt, dev)
+        side.buffers.reserve("send", send_cap, width, dt, dev)
+        side.buffers.reserve("recv", recv_cap, width, dt, dev)
         wait_all([handle])
 
         # 2. plan + layout: the counts' copy to the host is the one synchronisation
@@ -155,13 +193,13 @@ class EPDispatcher:
         self.last_plan = plan
 
         # 3. token all-to-all (async) + replica prefetch into a pool bank (async, other group)
-        send = self.buffers.get("send", n_tok * k, width, dt, dev)
+        send = side.buffers.get("send", n_tok * k, width, dt, dev)
         torch.index_select(x, 0, lay.send_order // k, out=send)
-        recv = self.buffers.get("recv", lay.recv_rows, width, dt, dev)
-        h_tok = all_to_all_rows(recv, send, lay.recv_splits, lay.send_splits, self.ep_group, async_op=True)
+        recv = side.buffers.get("recv", lay.recv_rows, width, dt, dev)
+        h_tok = all_to_all_rows(recv, send, lay.recv_splits, lay.send_splits, side.ep_group, async_op=True)
         w_data = tuple(w.detach() for w in weights)
-        job = ReplicaJob(lay, w_data, self.weight_group, self.ep_ranks, n, chunk=self.chunk, order=self.order)
-        replicas, h_w = self.pool.fill_forward(job) if self.moonep else (None, [])
+        job = ReplicaJob(lay, w_data, side.weight_group, self.ep_ranks, n, chunk=self.chunk, order=self.order)
+        replicas, h_w = side.pool.fill_forward(job) if self.moonep else (None, [])
         wait_all([h_tok])
 
         # 4. expert compute: own experts while the prefetch finishes, then the replicas. Without saved-tensor
@@ -181,17 +219,17 @@ class EPDispatcher:
 
         # 5. combine: back to source-major order, reverse all-to-all, back to flat route order
         inv_perm = inverse_permutation(lay.recv_perm)
-        back = self.buffers.get("recv", lay.recv_rows, width, dt, dev)
+        back = side.buffers.get("recv", lay.recv_rows, width, dt, dev)
         torch.index_select(y_sorted, 0, inv_perm, out=back)
-        home = self.buffers.get("send", n_tok * k, width, dt, dev)
-        all_to_all_rows(home, back, lay.send_splits, lay.recv_splits, self.ep_group)
+        home = side.buffers.get("send", n_tok * k, width, dt, dev)
+        all_to_all_rows(home, back, lay.send_splits, lay.recv_splits, side.ep_group)
         y_routes = x.new_empty(n_tok * k, width).index_copy_(0, lay.send_order, home)
 
         if need_grad:
             ctx.lay, ctx.inv_perm, ctx.shape, ctx.act = lay, inv_perm, (n_tok, k, width), act
             ctx.graph_mode, ctx.job, ctx.holder = graph_mode, job, holder
             if self.moonep and not _in_backward_pass():
-                self.pool.link(job)  # a recomputed forward's job is not the one its backward uses
+                side.pool.link(job)  # a recomputed forward's job is not the one its backward uses
             if graph_mode:
                 ctx.own, ctx.rep = own, rep
             else:
@@ -207,17 +245,18 @@ class EPDispatcher:
         n_tok, k, width = ctx.shape
         dev, dt = grad.device, grad.dtype
         n = self.experts_per_rank
-        job: ReplicaJob = ctx.job
+        side = self._side()  # the backward's side, maybe not its forward's
+        job: ReplicaJob = _job_on(ctx.job, side)
         if not ctx.graph_mode:  # rebuild the own FFN graph from the saved inputs (activation checkpointing);
             x_sorted, *saved_w = ctx.saved_tensors  # unpacking may recompute the forward: before taking a bank
             ctx.own = self._ffn(x_sorted[:lay.own_rows], lay.own_offsets(dev), tuple(saved_w), ctx.act, True)
-        bank, h_w = self.pool.acquire_backward(job) if self.moonep else (None, [])
+        bank, h_w = side.pool.acquire_backward(job) if self.moonep else (None, [])
 
         # reverse combine: output grads travel to the ranks that computed the routes (replicas meanwhile)
-        send = self.buffers.get("send", n_tok * k, width, dt, dev)
+        send = side.buffers.get("send", n_tok * k, width, dt, dev)
         torch.index_select(grad.contiguous(), 0, lay.send_order, out=send)
-        recv = self.buffers.get("recv", lay.recv_rows, width, dt, dev)
-        all_to_all_rows(recv, send, lay.recv_splits, lay.send_splits, self.ep_group)
+        recv = side.buffers.get("recv", lay.recv_rows, width, dt, dev)
+        all_to_all_rows(recv, send, lay.recv_splits, lay.send_splits, side.ep_group)
         g_sorted = recv.index_select(0, lay.recv_perm)
 
         # replicas first: their weight grads go home while the own-expert backward runs
@@ -225,7 +264,7 @@ class EPDispatcher:
         g_x_rep: list[torch.Tensor] = []
         if self.moonep:
             wait_all(h_w)
-            self.pool.prefetch_ahead(job.prev)  # the next backward's replicas travel during this one
+            side.pool.prefetch_ahead(_job_on(job.prev, side))  # the next backward's replicas travel during this one
             if ctx.graph_mode:
                 ctx.holder.tensors = bank.tensors
             else:
@@ -234,18 +273,18 @@ class EPDispatcher:
             ctx.rep = None
             if ctx.holder is not None:
                 ctx.holder.tensors = None
-            self.pool.release(bank)
+            side.pool.release(bank)
             g_x_rep.append(g_xr)
-            reduce = ReduceBack(lay, tuple(g_wr), self.weight_group, self.ep_ranks)
+            reduce = ReduceBack(lay, tuple(g_wr), side.weight_group, self.ep_ranks)
             reduce.start()
         g_xo, g_wo = self._ffn_backward(ctx.own, g_sorted[:lay.own_rows])
 
         # input grads go back to the source ranks, overlapped with the reduce-back
         g_x_sorted = torch.cat([g_xo] + g_x_rep)
-        back = self.buffers.get("recv", lay.recv_rows, width, dt, dev)
+        back = side.buffers.get("recv", lay.recv_rows, width, dt, dev)
         torch.index_select(g_x_sorted, 0, ctx.inv_perm, out=back)
-        home = self.buffers.get("send", n_tok * k, width, dt, dev)
-        h_tok = all_to_all_rows(home, back, lay.send_splits, lay.recv_splits, self.ep_group, async_op=True)
+        home = side.buffers.get("send", n_tok * k, width, dt, dev)
+        h_tok = all_to_all_rows(home, back, lay.send_splits, lay.recv_splits, side.ep_group, async_op=True)
         if reduce is not None:
             reduce.finish(tuple(g_wo), n)
         wait_all([h_tok])

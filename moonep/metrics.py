@@ -96,9 +96,9 @@ def collect_moonep_metrics(modules: nn.Module | Iterable[nn.Module], prefix: str
     for mod in mods:
         for name, m in mod.named_modules():
             disp = getattr(m, "dispatcher", None)
-            pool = getattr(disp, "pool", None)
-            if pool is not None:
-                pool.drain()
+            for pool in [s.pool for s in getattr(disp, "sides", ())] or [getattr(disp, "pool", None)]:
+                if pool is not None:  # every F/B-pairing side's pool (moonep.EPSide)
+                    pool.drain()
             metrics = getattr(disp, "metrics", None)
             if not isinstance(metrics, LayerMetrics):
                 continue

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moonep.comm import CommBuffers
-from moonep.dispatcher import EPDispatcher
+from moonep.dispatcher import EPDispatcher, EPSide
 from moonep.replica_pool import ReplicaPool
 
 logger = logging.getLogger(__name__)
@@ -42,6 +42,7 @@ class ExpertParallelState:
     weight_group: Any = None
     pool: ReplicaPool = field(default_factory=ReplicaPool)  # MoonEP replica banks shared by every MoE layer
     dispatchers: dict[str, EPDispatcher] = field(default_factory=dict)
+    pair_side: EPSide | None = None  # side 1 of F/B pairing (parallel.overlap_ep), shared by every MoE layer
     _mesh: Any = None
 
     def ep_mesh(self, dims: Any, device_type: str) -> Any:
@@ -67,14 +68,14 @@ def _latent_moes_by_chunk(model: nn.Module | Iterable[nn.Module]) -> list[tuple[
             if isinstance(m, LatentMoE)]
 
 
-def _build_weight_group(dims: Any) -> Any:
+def _build_weight_group(dims: Any, desc: str = "ep_weights") -> Any:
     """A second process group per EP group (collective: every rank of the world calls it in the same order), so
     replica weights move concurrently with the token all-to-all."""
     if not dist.is_initialized() or dims.ep == 1:
         return None
     mine = None
     for ranks in dims.all_group_ranks("ep"):
-        g = dims.new_group(ranks, "ep_weights")  # the layout's backend and collective timeout
+        g = dims.new_group(ranks, desc)  # the layout's backend and collective timeout
         if dims.rank in ranks:
             mine = g
     return mine
@@ -120,19 +121,32 @@ def shard_experts(experts: nn.Module, ep: int, ep_rank: int) -> None:
     mark_expert_params(experts)
 
 
+def _build_pair_side(dims: Any, moonep: bool, separate_weight_group: bool) -> EPSide:
+    """Side 1 of F/B pairing: a second EP group over the same ranks (``dims``' ``ep_pair`` groups), its own
+    replica-weight group, token buffers and replica pool (collective: every rank calls it in the same order)."""
+    ep_group = dims.build_twin_groups("ep", "ep_pair")
+    weights = _build_weight_group(dims, "ep_weights_pair") if separate_weight_group and moonep else None
+    return EPSide(ep_group=ep_group, weight_group=weights if weights is not None else ep_group,
+                  buffers=CommBuffers(), pool=ReplicaPool())
+
+
 def apply_expert_parallel(model: nn.Module | Iterable[nn.Module], dims: Any, moonep: bool = True,
-                          impl: str = "auto", separate_weight_group: bool = True) -> ExpertParallelState:
+                          impl: str = "auto", separate_weight_group: bool = True,
+                          paired: bool = False) -> ExpertParallelState:
     """Shard every ``LatentMoE``'s routed experts over ``dims.group('ep')`` and install :class:`EPDispatcher`.
 
     ``model``: a module or the list of this rank's model chunks, possibly on the meta device (then materialise
     with ``to_empty`` + ``init_weights``, which seeds per global expert via ``expert_offset``, and call
     :func:`mark_expert_params` again: ``to_empty`` drops the marks). Collective when ``separate_weight_group``
     (it creates process groups): call it on every rank. With ``ep == 1`` only the parameter marks are set (the
-    ``edp`` group then equals ``dp_cp``) and the local dispatcher stays.
+    ``edp`` group then equals ``dp_cp``) and the local dispatcher stays. ``paired``: also build side 1 of F/B
+    pairing (``parallel.overlap_ep``, :mod:`parallel.pairing`) for every dispatcher (collective too).
     """
     state = ExpertParallelState(buffers=CommBuffers())
     if dims.ep > 1 and separate_weight_group and moonep:
         state.weight_group = _build_weight_group(dims)
+    if dims.ep > 1 and paired:
+        state.pair_side = _build_pair_side(dims, moonep, separate_weight_group)
     order = {}
     for chunk, name, moe in _latent_moes_by_chunk(model):
         if dims.ep == 1:
@@ -143,7 +157,7 @@ def apply_expert_parallel(model: nn.Module | Iterable[nn.Module], dims: Any, moo
         disp = EPDispatcher(num_experts=num_experts, ep_group=dims.group("ep"), ep_ranks=dims.ranks("ep"),
                             ep_rank=dims.ep_rank, moonep=moonep, weight_group=state.weight_group,
                             buffers=state.buffers, name=name, impl=impl, pool=state.pool, chunk=chunk,
-                            order=order.setdefault(chunk, 0))
+                            order=order.setdefault(chunk, 0), pair_side=state.pair_side)
         order[chunk] += 1
         moe.dispatcher = disp
         state.dispatchers[name] = disp

@@ -15,6 +15,9 @@ Groups (all ``None`` when their size is 1 or torch.distributed is not initialise
     ``edp``   expert-data-parallel group -- gradient reduction of routed-expert parameters
     ``embd``  first + last pipeline rank of one pipeline (same dp, cp) -- sums the gradients of the embedding
               copies when the MTP on the last stage shares ``embed_tokens`` (added by the pipeline worker)
+    ``ep_pair`` (only after :meth:`build_twin_groups`) a second EP group over the same ranks: side 1 of F/B
+              pairing (``parallel.overlap_ep``, parallel/pairing.py), so the paired forward's all-to-alls and the
+              backward's never share a group
 
 No module-level globals: the object is built once and passed explicitly.
 """
@@ -177,6 +180,24 @@ class ParallelDims:
                 if self.rank in ranks:
                     self.groups[name] = g
         return self
+
+    def build_twin_groups(self, kind: str, name: str) -> Any:
+        """A second set of groups with the ranks of every ``kind`` group, stored as ``name`` (e.g. ``ep_pair``);
+        returns this rank's (None for size-1 groups or without torch.distributed). Collective over the world:
+        every rank calls it, in the same order; a second call returns the groups already built."""
+        if name in self.groups:
+            return self.groups[name]
+        lists = self.all_group_ranks(kind)
+        for ranks in lists:
+            if self.rank in ranks:
+                self.group_ranks[name] = ranks
+        self.groups[name] = None
+        if dist.is_initialized() and len(lists[0]) > 1:
+            for ranks in lists:
+                g = self.new_group(ranks, name)
+                if self.rank in ranks:
+                    self.groups[name] = g
+        return self.groups[name]
 
     def new_group(self, ranks: list[int], desc: str) -> Any:
         """:func:`new_group` with this layout's backend and timeout. Collective over the world."""

@@ -73,9 +73,12 @@ class Event:
     group: tuple[int, ...]
     sig: tuple = ()
     p2p: list[tuple[str, int, tuple[int, ...], str]] = field(default_factory=list)
+    desc: str = ""  # the group's name (``group_desc``): two groups over the same ranks (e.g. ``ep`` and the
+    #                 F/B-pairing twin ``ep_pair``) are different groups, each with its own call order
 
     def describe(self) -> str:
-        return f"{self.op}(group={list(self.group)}, {self.sig or self.p2p})"
+        name = f" {self.desc!r}" if self.desc else ""
+        return f"{self.op}(group={list(self.group)}{name}, {self.sig or self.p2p})"
 
 
 class CollectiveTrace:
@@ -101,6 +104,12 @@ def _group_ranks(group: Any) -> tuple[int, ...]:
     if group is None or group is dist.group.WORLD:
         return tuple(range(dist.get_world_size()))
     return tuple(dist.get_process_group_ranks(group))
+
+
+def _group_desc(group: Any) -> str:
+    if group is None or group is dist.group.WORLD:
+        return ""
+    return str(getattr(group, "group_desc", "") or "")
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -131,15 +140,17 @@ def _event(name: str, args: dict[str, Any]) -> Event:
             peer = (dist.get_global_rank(p.group, p.group_peer) if getattr(p, "group_peer", None) is not None
                     else int(p.peer))
             ops.append((_P2P[op_name], peer) + _meta(p.tensor))
-        return Event(name, (), p2p=ops)
+        descs = {_group_desc(p.group) for p in args["p2p_op_list"]}
+        return Event(name, (), p2p=ops, desc=descs.pop() if len(descs) == 1 else "")
     if name in _P2P:
-        return Event(name, (), p2p=[(_P2P[name], _peer(args, *_PEER[name])) + _meta(args["tensor"])])
+        return Event(name, (), p2p=[(_P2P[name], _peer(args, *_PEER[name])) + _meta(args["tensor"])],
+                     desc=_group_desc(args.get("group")))
     keys = _COLLECTIVES[name]
     if keys is None:
         sig = tuple(_meta(t)[1] for v in args.values() for t in _tensors(v))
     else:
         sig = tuple(_meta(t) for k in keys for t in _tensors(args.get(k)))
-    return Event(name, _group_ranks(args.get("group")), sig=sig)
+    return Event(name, _group_ranks(args.get("group")), sig=sig, desc=_group_desc(args.get("group")))
 
 
 _STATE = threading.local()
@@ -189,11 +200,11 @@ def trace_collectives() -> Iterator[CollectiveTrace]:
 
 
 def _check_groups(traces: list[list[Event]]) -> list[str]:
-    """Per group: every member rank's sequence of collectives on that group must be identical."""
+    """Per group (ranks and name): every member rank's sequence of collectives on that group must be identical."""
     errors = []
-    groups = {e.group for evs in traces for e in evs if not e.p2p}
-    for grp in sorted(groups):
-        seqs = {r: [e for e in traces[r] if not e.p2p and e.group == grp] for r in grp}
+    groups = {(e.group, e.desc) for evs in traces for e in evs if not e.p2p}
+    for grp, desc in sorted(groups):
+        seqs = {r: [e for e in traces[r] if not e.p2p and e.group == grp and e.desc == desc] for r in grp}
         ref_rank = grp[0]
         ref = seqs[ref_rank]
         for r in grp[1:]:
@@ -209,21 +220,23 @@ def _check_groups(traces: list[list[Event]]) -> list[str]:
 
 
 def _check_p2p(traces: list[list[Event]]) -> list[str]:
-    """Per ordered pair (a -> b): a's sends to b match b's receives from a, in order, by shape and dtype."""
+    """Per ordered pair (a -> b) and group name: a's sends to b match b's receives from a, in order, by shape and
+    dtype."""
     errors = []
-    world = len(traces)
-    sends = {(a, b): [] for a in range(world) for b in range(world)}
-    recvs = {(a, b): [] for a in range(world) for b in range(world)}
+    sends: dict[tuple[int, int, str], list] = {}
+    recvs: dict[tuple[int, int, str], list] = {}
     for r, evs in enumerate(traces):
         for e in evs:
             for direction, peer, shape, dtype in e.p2p:
                 if direction == "send":
-                    sends[(r, peer)].append((shape, dtype))
+                    sends.setdefault((r, peer, e.desc), []).append((shape, dtype))
                 else:
-                    recvs[(peer, r)].append((shape, dtype))
-    for pair in sends:
-        if sends[pair] != recvs[pair]:
-            errors.append(f"p2p {pair[0]} -> {pair[1]}: sent {sends[pair]} but received {recvs[pair]}")
+                    recvs.setdefault((peer, r, e.desc), []).append((shape, dtype))
+    for key in sorted(set(sends) | set(recvs)):
+        if sends.get(key, []) != recvs.get(key, []):
+            a, b, desc = key
+            name = f" (group {desc!r})" if desc else ""
+            errors.append(f"p2p {a} -> {b}{name}: sent {sends.get(key, [])} but received {recvs.get(key, [])}")
     return errors
 
 

@@ -35,6 +35,13 @@ def token_ranges(n: int, chunk: int) -> list[tuple[int, int]]:
     return [(s, min(s + chunk, n)) for s in range(0, n, chunk)]
 
 
+def in_backward_pass() -> bool:
+    """Whether autograd is running a backward on this thread: a forward running now is a recomputation (activation
+    checkpointing), whose running statistics must not count twice (thread-local: under F/B pairing,
+    parallel/pairing.py, another thread's forward may run at the same time)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def maybe_checkpoint(fn: Callable[..., Any], *args: Any, enabled: bool) -> Any:
     """``fn(*args)``, under non-reentrant activation checkpointing when ``enabled`` and autograd records: only the
     inputs are kept, and the backward re-runs ``fn`` (collectives inside it included, on every rank alike)."""

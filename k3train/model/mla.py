@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from k3train.model.chunking import chunked_output, head_ranges, linear_fp32_out
+from k3train.model.chunking import chunked_output, head_ranges, in_backward_pass, linear_fp32_out
 from k3train.model.norm import RMSNorm
 from k3train.model.seq import SeqInfo
 from k3train.ops.mla_blockwise import blockwise_mla_attention
@@ -223,7 +223,8 @@ class MLA(nn.Module):
         wkv = self.kv_b_proj.weight
         w_kv = wkv if whole else wkv[h0 * (self.nope_dim + self.v_dim):h1 * (self.nope_dim + self.v_dim)]
         qh = self.project_q(x, (h0, h1)).transpose(1, 2)  # [B, H, T, Dqk]
-        track = self.training and self.track_qk_max
+        # not in a recomputation (the same maximum again): under F/B pairing another thread's forward updates it now
+        track = self.training and self.track_qk_max and not in_backward_pass()
         if self.attention_op is None:
             def expand(lat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
                 return self._expand(lat, w_kv)

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k3train.model.chunking import in_backward_pass as _in_backward_pass
 from k3train.model.chunking import maybe_checkpoint, token_ranges
 from k3train.model.ffn import DenseFFN, glu
 from k3train.model.norm import RMSNorm
@@ -47,11 +48,6 @@ from k3train.ops.quantile_balancing import (
     sign_update,
     target_count,
 )
-
-
-def _in_backward_pass() -> bool:
-    # Activation recomputation re-runs forward inside the autograd engine; its routing must not be counted twice.
-    return torch._C._current_graph_task_id() != -1
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ Shapes are static (from the config and the micro-batch shape), so receivers pre-
 """
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -42,6 +43,7 @@ class P2PTransport:
         self.generation = 0  # bumped by the runner before every compute
         self._recvs: dict[Message, tuple[list[torch.Tensor], list[Any]]] = {}
         self.wait_s = 0.0  # seconds blocked in wait() this step (receives not yet arrived)
+        self._lock = threading.Lock()  # wait() may run on two threads at once (F/B pairing, parallel/pairing.py)
 
     def tag(self, msg: Message, i: int) -> int:
         if i >= self.max_items:
@@ -76,7 +78,8 @@ class P2PTransport:
         t0 = time.perf_counter()
         for w in works:
             w.wait()
-        self.wait_s += time.perf_counter() - t0
+        with self._lock:
+            self.wait_s += time.perf_counter() - t0
         return bufs
 
     def complete_sends(self, upto_generation: int) -> None:

@@ -300,3 +300,54 @@ def recv_lead(programs: list[list[Instr]], pp: int, vpp: int) -> tuple[int, int]
                         ahead += int(posted_at[m] < n)
                 n += 1
     return ahead, total
+
+
+def pair_programs(programs: list[list[Instr]], pp: int, vpp: int) -> tuple[list[list[Instr]], list[set[Action]]]:
+    """F/B pairing (``parallel.overlap_ep``, parallel/pairing.py) of the F/B programs: ``(programs, firsts)``.
+
+    A compute ``X`` and the next compute ``Y`` of a rank form a pair when one is an F and the other a B of another
+    micro-batch (so neither needs the other's result on this rank) and what
+    lies between them is ``X``'s sends and receives ``Y`` does not consume: the program becomes ``X, Y`` and then
+    those posts -- each rank's sequence of p2p operations is unchanged (so is every pair's, on both ends), only
+    those posts wait until ``Y`` computed, and ``Y``'s receives were all posted before ``X``. The runner then runs ``X`` and ``Y`` at the same time (the F
+    on the pair worker). ``firsts[r]``: the ``X`` of every pair of rank ``r`` (its ``Y`` is the next compute).
+    The paired programs are checked (:func:`check_programs`, and :func:`run_programs` under ordered matching:
+    deadlock-free also when ``X``'s consumers are what ``Y`` waits for); a rank's pairs that fail are dropped
+    from the first one on until they pass (every rank computes the same programs, so every rank agrees)."""
+    def paired(r: int, prog: list[Instr], limit: int) -> tuple[list[Instr], set[Action]]:
+        out: list[Instr] = []
+        firsts: set[Action] = set()
+        i = 0
+        while i < len(prog):
+            ins = prog[i]
+            j = i + 1
+            while j < len(prog) and prog[j].op != "compute":
+                j += 1
+            if (len(firsts) < limit and ins.op == "compute" and not ins.action.is_encoder and j < len(prog)
+                    and not prog[j].action.is_encoder and {ins.action.kind, prog[j].action.kind} == {"F", "B"}
+                    and ins.action.mb != prog[j].action.mb  # independent: another micro-batch
+                    and not {p.msg for p in prog[i + 1:j] if p.op == "recv"} & set(deps_of(prog[j].action, r,
+                                                                                              pp, vpp))):
+                out += [ins, prog[j]] + prog[i + 1:j]
+                firsts.add(ins.action)
+                i = j + 1
+                continue
+            out.append(ins)
+            i += 1
+        return out, firsts
+
+    limits = [len(prog) for prog in programs]
+    while True:
+        result = [paired(r, prog, limit) for r, (prog, limit) in enumerate(zip(programs, limits))]
+        progs = [p for p, _ in result]
+        try:
+            check_programs(progs, pp, vpp)
+            run_programs(progs, pp, vpp, ordered=True)
+            return progs, [f for _, f in result]
+        except (AssertionError, RuntimeError):
+            # drop the last pair of the rank with the most pairs (deterministic) and try again
+            counts = [len(f) for _, f in result]
+            r = max(range(len(counts)), key=lambda k: (counts[k], -k))
+            if counts[r] == 0:
+                raise
+            limits[r] = counts[r] - 1

@@ -22,7 +22,14 @@ Both have the same interface:
                                                             a head of its own, e.g. the EAGLE-3 draft, which may
                                                             run its own forward + backward there)
     runner.current                      (kind 'F'|'B'|'EF'|'EB', virtual stage, micro-batch) of the compute
-                                        running now (for diagnostic hooks, see k3train/nonfinite.py)
+                                        running now (for diagnostic hooks, see k3train/nonfinite.py; the main
+                                        thread's: a paired forward is not reported)
+    runner.pair                         None, or the :class:`parallel.pairing.PairExecutor` of F/B pairing
+                                        (``parallel.overlap_ep``): ``forward_backward`` runs a forward on its
+                                        worker thread (side 1) while a backward of another micro-batch runs here
+                                        (side 0) -- pp = 1: F(m+1) with B(m); pp > 1: adjacent F/B computes of
+                                        the program (p2p_programs.pair_programs); ``with runner.unpaired():``
+                                        runs the plain order (the non-finite diagnosis re-run)
 
 Vision encoder (a vision model at pp > 1, ``parallel.encoder_schedule``): ``inline`` runs it inside the first
 stage's forward (``embed_batch``) and its backward inside that stage's backward. ``bubbles`` / ``before`` give it
@@ -39,6 +46,7 @@ the data-parallel reduction is the optimizer's job.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -49,10 +57,11 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel.comm_stats import ByteCounter
+from parallel.pairing import PairExecutor
 from parallel.pipeline.attnres_comm import AttnResCommPlan, BlockCache, StageInput
 from parallel.pipeline.loss_norm import LossNorm
 from parallel.pipeline.p2p import Instr, P2PTransport, build_programs
-from parallel.pipeline.p2p_programs import insert_encoder_computes
+from parallel.pipeline.p2p_programs import insert_encoder_computes, pair_programs
 from parallel.pipeline.partition import PipelinePartition, build_partition, describe_partition
 from parallel.pipeline.schedules import (Action, Message, build_schedule, forward_only_schedule, place_encoder,
                                          resolve_schedule, simulate, theoretical_bubble)
@@ -106,6 +115,7 @@ class StepRunner:
                                                    else [])
         self.last_stats: dict[str, Any] = {}
         self.current: tuple[str, int, int] | None = None
+        self.pair: PairExecutor | None = None
         self._head: Callable[[Any, Any, Any], dict[str, torch.Tensor]] | None = None  # forward_only(head=)
 
     def refresh_params(self) -> None:
@@ -124,6 +134,21 @@ class StepRunner:
         with torch.no_grad():
             for p in self.shared_params:
                 dist.broadcast(p.data, src=src, group=group)
+
+    def enable_pairing(self, rank: int) -> None:
+        """Pair the forward of micro-batch m+1 with the backward of micro-batch m (``parallel.overlap_ep``; the
+        communicating modules must have side-1 resources: ``apply_expert_parallel(..., paired=True)``)."""
+        if self.pair is None:
+            self.pair = PairExecutor(rank)
+
+    @contextlib.contextmanager
+    def unpaired(self) -> Any:
+        """Run the block's steps without F/B pairing (same results, one thread)."""
+        pair, self.pair = self.pair, None
+        try:
+            yield
+        finally:
+            self.pair = pair
 
     def _hook(self, params: list[nn.Parameter]) -> None:
         if self.on_chunk_backward_done is not None and params:
@@ -164,19 +189,22 @@ class LocalRunner(StepRunner):
     """pp = 1: gradient accumulation over the micro-batches through the same interface."""
 
     def forward_backward(self, micro_batches: list[Any], norm: LossNorm) -> dict[str, Any]:
-        """Forward + backward of every micro-batch on the whole model. Returns the summed loss statistics."""
+        """Forward + backward of every micro-batch on the whole model. Returns the summed loss statistics.
+        With :attr:`pair`: F(0), then F(m+1) paired with B(m) for every m, then B(M-1) (the same gradient and
+        statistics accumulation order as unpaired)."""
         t_step = time.perf_counter()
         stats = self._new_stats()
         self.counter.reset()
         self.refresh_params()
-        for mb, batch in enumerate(micro_batches):
-            self.current = ("F", 0, mb)
-            seq = self.make_seq(batch)  # outside recomputation: under CP it builds a collective context
-            sums = run_maybe_recomputed(functools.partial(self._run, batch, seq), self.recompute_chunk)
-            loss = norm(sums)
-            self.current = ("B", 0, mb)
-            loss.backward()
-            self._add_sums(stats, sums, loss)
+        if self.pair is not None and len(micro_batches) > 1:
+            self._paired(micro_batches, norm, stats)
+        else:
+            for mb, batch in enumerate(micro_batches):
+                self.current = ("F", 0, mb)
+                sums, loss = self._forward(batch, norm)
+                self.current = ("B", 0, mb)
+                loss.backward()
+                self._add_sums(stats, sums, loss)
         self.current = None
         for params in self.chunk_params:
             self._hook(params)
@@ -185,6 +213,38 @@ class LocalRunner(StepRunner):
         stats["compute_s"] = stats["step_s"] = time.perf_counter() - t_step
         self.last_stats = stats
         return stats
+
+    def _forward(self, batch: Any, norm: LossNorm) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        seq = self.make_seq(batch)  # outside recomputation: under CP it builds a collective context
+        sums = run_maybe_recomputed(functools.partial(self._run, batch, seq), self.recompute_chunk)
+        return sums, norm(sums)
+
+    def _paired(self, micro_batches: list[Any], norm: LossNorm, stats: dict[str, Any]) -> None:
+        """F(0); F(m+1) on the pair worker (side 1) while B(m) runs here (side 0); B(M-1) (see :attr:`pair`)."""
+        from k3train.fault_injection import raise_point
+
+        def forward(mb: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+            raise_point("pair_forward", mb)
+            return self._forward(micro_batches[mb], norm)
+
+        def backward(mb: int, loss: torch.Tensor) -> None:
+            raise_point("pair_backward", mb)
+            loss.backward()
+
+        self.current = ("F", 0, 0)
+        sums, loss = self._forward(micro_batches[0], norm)
+        last = len(micro_batches) - 1
+        for mb in range(last + 1):
+            self.current = ("B", 0, mb)
+            if mb < last:
+                nxt, _ = self.pair.run(functools.partial(forward, mb + 1), functools.partial(backward, mb, loss),
+                                       f"forward of micro-batch {mb + 1}", f"backward of micro-batch {mb}")
+            else:
+                loss.backward()
+                nxt = None
+            self._add_sums(stats, sums, loss)
+            if nxt is not None:
+                sums, loss = nxt
 
     def _run(self, batch: Any, seq: Any) -> dict[str, torch.Tensor]:
         state = self.model.forward_layers(self.model.embed_batch(batch), 0, self.partition.num_layers, seq)
@@ -231,7 +291,8 @@ class PipelineRunner(StepRunner):
         self.p2p = P2PTransport(dims.ranks("pp"), part.pp, self.n_stages - 1, max_items, self.counter,
                                 placement=self.placement)
         self.embd_group = dims.group("embd") if self.shared_embedding else None
-        self._programs: dict[tuple[int, bool, bool], tuple[list[Action], list[Instr], float]] = {}
+        self._programs: dict[tuple[int, bool, bool, bool], tuple[list[Action], list[Instr], float]] = {}
+        self._pair_firsts: dict[tuple[int, bool, bool, bool], set[Action]] = {}  # the first compute of each pair
         self.device = next(self.model.parameters()).device
         self._forward_only = False  # set per step by begin_step
 
@@ -245,10 +306,12 @@ class PipelineRunner(StepRunner):
         actions, program, bubble = self._fb_program(num_microbatches, forward_only)
         if self.encoder_schedule == "inline":
             return actions, program, bubble
+        # (paired programs: an encoder compute put between the two computes of a pair just unpairs them)
         if micro_batches is None or len(micro_batches) != num_microbatches:
             raise ValueError("program(): the encoder placement needs the step's micro-batches")
         f, b, ef, eb = self.encoder_costs(micro_batches)
-        key = (num_microbatches, forward_only, self.post_ahead, tuple(ef), tuple(eb))
+        key = (num_microbatches, forward_only, self.post_ahead, self._paired_programs(forward_only), tuple(ef),
+               tuple(eb))
         if key not in self._placed:
             pp, vpp = self.partition.pp, self.partition.vpp
             sched = build_schedule(self.schedule, pp, vpp, num_microbatches)
@@ -282,7 +345,8 @@ class PipelineRunner(StepRunner):
 
     def _fb_program(self, num_microbatches: int, forward_only: bool) -> tuple[list[Action], list[Instr], float]:
         """The F/B schedule's ``(actions, program, bubble)`` of this rank (cached)."""
-        key = (num_microbatches, forward_only, self.post_ahead)
+        paired = self._paired_programs(forward_only)
+        key = (num_microbatches, forward_only, self.post_ahead, paired)
         if key not in self._programs:
             pp, vpp = self.partition.pp, self.partition.vpp
             sched = build_schedule(self.schedule, pp, vpp, num_microbatches)
@@ -290,6 +354,9 @@ class PipelineRunner(StepRunner):
                 sched = forward_only_schedule(sched)
             sim = simulate(sched, pp, vpp)
             programs = build_programs(sched, pp, vpp, sim, post_ahead=self.post_ahead)
+            if paired:  # F/B pairing: adjacent F/B computes run together (every rank derives the same pairs)
+                programs, firsts = pair_programs(programs, pp, vpp)
+                self._pair_firsts[key] = firsts[self.pp_rank]
             self._programs[key] = (sched[self.pp_rank], programs[self.pp_rank], sim.bubble)
             if self.dims.rank == 0 and not forward_only:
                 # the log's bubble from the partition table's stage costs (the program above is unchanged)
@@ -301,6 +368,9 @@ class PipelineRunner(StepRunner):
                          "(pp-1)/(vpp*M+pp-1))", self.schedule, pp, vpp, num_microbatches, real,
                          theoretical_bubble(pp, vpp, num_microbatches))
         return self._programs[key]
+
+    def _paired_programs(self, forward_only: bool) -> bool:
+        return self.pair is not None and not forward_only
 
     def _specs(self, msg: Message, batches: list[Any]) -> tuple[list[tuple[tuple[int, ...], torch.dtype]], list[str]]:
         B, T = batches[msg.mb].tokens.shape[:2]
@@ -317,8 +387,17 @@ class PipelineRunner(StepRunner):
         default group between this pipeline's ranks; an all-reduce over ``embd`` when the MTP shares the
         embedding. Returns this rank's stats (loss sums are non-zero on the last stage only) and p2p bytes."""
         program = self.begin_step(micro_batches, norm)
-        for ins in program:
-            self.run_instr(ins)
+        firsts = self._pair_firsts.get((len(micro_batches), False, self.post_ahead, True), set())
+        i = 0
+        while i < len(program):
+            ins = program[i]
+            if (ins.op == "compute" and ins.action in firsts and i + 1 < len(program)
+                    and program[i + 1].op == "compute"):
+                self.run_pair(ins.action, program[i + 1].action)
+                i += 2
+            else:
+                self.run_instr(ins)
+                i += 1
         return self.end_step()
 
     @torch.no_grad()
@@ -395,6 +474,38 @@ class PipelineRunner(StepRunner):
             if a.is_encoder:
                 self._stats["encoder_s"] += dt
             self.action_times.append((a, dt - (self.p2p.wait_s - w0)))  # without the time blocked on receives
+            chunk = self._hook_after.get(self._idx_of[a])
+            if chunk is not None:
+                self._hook(list(self.chunk_params[chunk]))
+
+    def run_pair(self, x: Action, y: Action) -> None:
+        """Run the adjacent computes ``x`` then ``y`` of the program as one paired action (:attr:`pair`): the F on
+        the pair worker (side 1), the B here (side 0); sends and hooks as after ``x`` then ``y``."""
+        from k3train.fault_injection import raise_point
+
+        for _ in (x, y):  # the send-completion rule of two computes (p2p_programs.py), before both start
+            self.p2p.complete_sends(self.p2p.generation - 1)
+            self.p2p.generation += 1
+        f, b = (x, y) if x.kind == "F" else (y, x)
+        vf, vb = (self.placement.stage(self.pp_rank, a.chunk) for a in (f, b))
+        t0, w0 = time.perf_counter(), self.p2p.wait_s
+        self.current = ("B", vb, b.mb)
+
+        def forward() -> None:
+            raise_point("pair_forward", f.mb)
+            self._forward(f)
+
+        def backward() -> None:
+            raise_point("pair_backward", b.mb)
+            self._backward(b)
+
+        self.pair.run(forward, backward, f"forward of micro-batch {f.mb} (virtual stage {vf})",
+                      f"backward of micro-batch {b.mb} (virtual stage {vb})")
+        dt = time.perf_counter() - t0
+        self._stats["compute_s"] += dt
+        for a in (x, y):  # half of the pair's time each (receive waits excluded)
+            self.action_times.append((a, (dt - (self.p2p.wait_s - w0)) / 2))
+        for a in (x, y):
             chunk = self._hook_after.get(self._idx_of[a])
             if chunk is not None:
                 self._hook(list(self.chunk_params[chunk]))

@@ -240,3 +240,22 @@ def test_multimodal_data_needs_the_vision_tower():
         load_config(vl, ["--model.media_placeholder_token_id=4224"])
     with pytest.raises(ConfigError, match=r"^data\.format: multimodal data needs data\.media_placeholder_token"):
         load_config(vl, ["--model.media_placeholder_token_id=-1"])
+
+
+def test_overlap_ep_applies_where_it_can():
+    """``parallel.overlap_ep`` (F/B pairing): a bool, default on; on only with ep > 1, several micro-batches per
+    step and cp = 1 (Config.ep_overlap says why not otherwise)."""
+    def ep_overlap(*over: str, world: int = 4):
+        return load_config(TINY, ["--parallel.ep=2", "--train.micro_batch_size=1", "--train.global_batch_size=8",
+                                  *over],
+                           world_size=world).ep_overlap()
+
+    assert load_config(TINY, []).parallel.overlap_ep is True
+    assert ep_overlap() == (True, "")
+    assert ep_overlap("--parallel.overlap_ep=false") == (False, "parallel.overlap_ep=false")
+    assert ep_overlap("--parallel.ep=1")[1].startswith("no expert parallelism")
+    assert ep_overlap("--train.global_batch_size=4")[1] == "one micro-batch per step"
+    assert ep_overlap("--parallel.pp=2", "--parallel.vpp=2", "--train.global_batch_size=4") == (True, "")
+    assert ep_overlap("--parallel.cp=2", "--train.global_batch_size=4")[1].startswith("context parallelism")
+    with pytest.raises(ConfigError, match="parallel.overlap_ep"):
+        load_config(TINY, ["--parallel.overlap_ep=sometimes"])

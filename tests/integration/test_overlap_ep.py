@@ -1,0 +1,117 @@
+"""``parallel.overlap_ep`` (F/B pairing, parallel/pairing.py) through the real trainer step at dp = 2 x ep = 2,
+three micro-batches per rank (two paired actions per step): overlap on vs off gives bit-identical per-step
+losses and grad norms, every parameter gradient after every step, and every parameter and optimizer-state entry
+after 3 steps -- with MoonEP, without it, and with activation recomputation. The same at pp = 2 x vpp = 2 x dp = 2
+x ep = 2 (MoonEP, ZeRO-2: the chunk hooks after a pair), four micro-batches: the interleaved schedule's adjacent
+F/B computes paired (p2p_programs.pair_programs), the collectives of every group (``ep`` and ``ep_pair`` apart)
+identical across its ranks.
+
+Then a forced failure inside one side of a pair (``K3TRAIN_FAULT_RAISE``, k3train/fault_injection.py) on every
+rank: the step ends with one :class:`PairedActionError` naming the failed side on each rank, no hang; the ranks
+are still in step afterwards (a barrier, then a normal step completes).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_helpers import run_distributed
+from trainer_parity import parity_cfg
+
+WORLD, STEPS = 2, 3
+EP = ["--parallel.ep=2", "--train.global_batch_size=6"]  # dp 2 (auto), 3 micro-batches per rank
+VARIANTS = [("moonep", []), ("no_moonep", ["--parallel.moonep=false"]), ("moonep_recompute",
+                                                                         ["--parallel.recompute=true"])]
+
+
+def _run(out: Path, layout: list[str], overlap: bool, keep: bool = False, world: int = WORLD, ep: list = EP):
+    from k3train.trainer import Trainer
+
+    tr = Trainer(parity_cfg(out, STEPS, world, ep + layout + [f"--parallel.overlap_ep={str(overlap).lower()}"]))
+    assert (tr.pm.runner.pair is not None) == overlap
+    steps = []
+    for _ in range(STEPS):
+        rec = tr.train_step()
+        grads = {n: p.grad.clone() for n, p in tr.pm.model.named_parameters() if p.grad is not None}
+        steps.append((rec["loss"], rec["grad_norm"], grads))
+    params = {n: p.detach().clone() for n, p in tr.pm.model.named_parameters()}
+    state = {k: v.detach().clone() for k, v in tr.optimizer.state_dict().items()}
+    if overlap:  # side 1 did the paired forwards' dispatches
+        assert tr.pm.ep_state.pair_side.buffers.nbytes() > 0
+    if keep:
+        return tr, steps, params, state
+    tr.close(destroy_groups=False)
+    return None, steps, params, state
+
+
+def _same(a: dict, b: dict, what: str) -> None:
+    assert a.keys() == b.keys(), f"{what}: different entries"
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{what} {k}: max |diff| {float((a[k] - b[k]).abs().max()):.3e}"
+
+
+def _fails(tr, spec: str, side: str) -> None:
+    from parallel.pairing import PairedActionError
+
+    os.environ["K3TRAIN_FAULT_RAISE"] = spec
+    try:
+        with pytest.raises(PairedActionError) as err:
+            tr.train_step()
+    finally:
+        del os.environ["K3TRAIN_FAULT_RAISE"]
+    msg = str(err.value)
+    assert f"rank {dist.get_rank()}: parallel.overlap_ep paired action failed: the {side} raised InjectedFault" \
+        in msg and "which completed" in msg, msg
+    dist.barrier()  # no rank hangs, and every group is still in step
+
+
+def _body(rank: int, world: int, out: str) -> None:
+    for name, layout in VARIANTS:
+        keep = name == VARIANTS[-1][0]
+        _, off_steps, off_params, off_state = _run(Path(out) / f"{name}_off", layout, False)
+        tr, on_steps, on_params, on_state = _run(Path(out) / f"{name}_on", layout, True, keep=keep)
+        for s, ((l0, n0, g0), (l1, n1, g1)) in enumerate(zip(off_steps, on_steps)):
+            assert (l0, n0) == (l1, n1), f"{name} step {s + 1}: loss/grad norm {(l0, n0)} vs {(l1, n1)}"
+            _same(g0, g1, f"{name} step {s + 1} gradient")
+        _same(off_params, on_params, f"{name} parameter")
+        _same(off_state, on_state, f"{name} optimizer state")
+    # forced failures inside one side of a pair, on every rank
+    _fails(tr, "pair_forward:1", "forward of micro-batch 1")
+    _fails(tr, "pair_backward:1", "backward of micro-batch 1")
+    rec = tr.train_step()  # the next step runs normally
+    assert torch.isfinite(torch.tensor(rec["loss"]))
+    tr.close(destroy_groups=False)
+
+
+def test_overlap_ep_bit_identical_and_fails_cleanly(tmp_path: Path) -> None:
+    run_distributed(_body, WORLD, str(tmp_path))
+
+
+PP_EP = ["--parallel.pp=2", "--parallel.vpp=2", "--parallel.ep=2", "--parallel.zero=2",
+         "--train.global_batch_size=8"]  # dp 2, 4 micro-batches per pipeline
+
+
+def _pp_body(rank: int, world: int, out: str) -> None:
+    from collective_trace import assert_collectives_match, trace_collectives
+
+    _, off_steps, off_params, off_state = _run(Path(out) / "pp_off", [], False, world=world, ep=PP_EP)
+    with trace_collectives() as trace:
+        tr, on_steps, on_params, on_state = _run(Path(out) / "pp_on", [], True, keep=True, world=world, ep=PP_EP)
+    everyone = assert_collectives_match(trace)
+    assert any(e.desc == "ep_pair" for e in everyone[rank]), "no collective on the pair side"
+    firsts = tr.pm.runner._pair_firsts
+    assert firsts and all(len(f) >= 2 for f in firsts.values()), firsts  # steady-state pairs on every rank
+    for s, ((l0, n0, g0), (l1, n1, g1)) in enumerate(zip(off_steps, on_steps)):
+        assert (l0, n0) == (l1, n1), f"pp step {s + 1}: loss/grad norm {(l0, n0)} vs {(l1, n1)}"
+        _same(g0, g1, f"pp step {s + 1} gradient")
+    _same(off_params, on_params, "pp parameter")
+    _same(off_state, on_state, "pp optimizer state")
+    tr.close(destroy_groups=False)
+
+
+def test_overlap_ep_pipeline_bit_identical(tmp_path: Path) -> None:
+    run_distributed(_pp_body, 4, str(tmp_path))

@@ -1,0 +1,160 @@
+"""Benchmark ``parallel.overlap_ep`` (F/B pairing, parallel/pairing.py): expert all-to-all time and step time,
+overlap on vs off, through the real trainer step on gloo ranks (CPU).
+
+    .venv/bin/python tools/bench_ep_overlap.py                       # configs/small.yaml, dp2 ep2, 4 micro-batches
+    .venv/bin/python tools/bench_ep_overlap.py --world 4 --pp 2 --vpp 2   # pp2 vpp2 dp2 ep2 (4 ranks)
+    .venv/bin/python tools/bench_ep_overlap.py --config configs/tiny.yaml --steps 6 --micro-batches 6
+    .venv/bin/python tools/bench_ep_overlap.py --moonep false --recompute true --train.seq_len=128
+
+Per rank and setting (medians over the steps after ``--warmup``):
+* ``a2a s0`` / ``a2a s1``: seconds per step this rank's EP dispatcher spent BLOCKED in token all-to-alls and the
+  counts all-gather (the call, plus the wait of an async one), on side 0 (main thread: unpaired actions, paired
+  backwards) and side 1 (pair worker: paired forwards). Off, everything is side 0 and fully exposed. On, side
+  1's blocked time is hidden as far as the main thread computes meanwhile, side 0's as far as the worker does;
+* ``step``: ``Trainer.train_step`` seconds (the whole step: data, forward/backward, optimizer);
+* ``hidden``: ``(step off - step on) / a2a off`` -- the share of the all-to-all time that pairing took off the
+  critical path (an estimate: pairing also overlaps compute with compute on a CPU with idle cores).
+
+The results are identical either way (tests/integration/test_overlap_ep.py); only the time differs. Numbers
+from a loaded or oversubscribed machine (fewer free cores than 2 x ranks) are not meaningful: give it an idle
+machine. At pp > 1 the adjacent F/B computes of each rank's program are paired (p2p_programs.pair_programs).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+
+class _Timed:
+    """An async collective's work handle whose ``wait`` is timed into ``acc``."""
+
+    def __init__(self, work: Any, acc: Any) -> None:
+        self._work, self._acc = work, acc
+
+    def wait(self, *a: Any, **kw: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return self._work.wait(*a, **kw)
+        finally:
+            self._acc(time.perf_counter() - t0)
+
+
+def _instrument() -> dict[int, float]:
+    """Time the dispatcher's all-to-alls and counts all-gathers per pairing side; returns the live totals."""
+    import moonep.dispatcher as d
+    from parallel.pairing import current_side
+
+    totals: dict[int, float] = defaultdict(float)
+    lock = threading.Lock()
+
+    def add(dt: float, side: int) -> None:
+        with lock:
+            totals[side] += dt
+
+    def wrap(fn: Any, handle_of: Any) -> Any:
+        def timed(*a: Any, **kw: Any) -> Any:
+            side = current_side()
+            t0 = time.perf_counter()
+            out = fn(*a, **kw)
+            add(time.perf_counter() - t0, side)
+            work = handle_of(out)
+            if work is None:
+                return out
+            timed_work = _Timed(work, lambda dt: add(dt, side))
+            return timed_work if out is work else (out[0], timed_work)
+        return timed
+
+    d.all_to_all_rows = wrap(d.all_to_all_rows, lambda out: out)
+    d.all_gather_counts = wrap(d.all_gather_counts, lambda out: out[1])
+    return totals
+
+
+def _body(rank: int, world: int, args: argparse.Namespace, _: dict) -> None:
+    from k3train.config import load_config
+    from k3train.trainer import Trainer
+    from shipped_data import shipped_view
+
+    totals = _instrument()
+    data = shipped_view("corpus_text_document")
+    if data is None:
+        raise SystemExit("the shipped corpus is not built: run `make data` (or `make test` once) first")
+    rows = {}
+    for overlap in (False, True):
+        out = Path(args.out) / f"overlap_{overlap}"
+        over = [f"--data.path={data}", "--data.split=100,0,0", f"--parallel.ep={args.ep}",
+                f"--parallel.moonep={args.moonep}", f"--parallel.recompute={args.recompute}",
+                f"--parallel.overlap_ep={str(overlap).lower()}", "--train.micro_batch_size=1",
+                f"--train.global_batch_size={args.micro_batches * world // args.pp}", f"--parallel.pp={args.pp}",
+                f"--parallel.vpp={args.vpp}",
+                f"--train.steps={args.warmup + args.steps}", "--train.device=cpu", f"--train.out_dir={out}",
+                "--logging.wandb=false", "--logging.peak_flops=1e9", "--logging.level=WARNING",
+                "--checkpoint.resume=none", "--checkpoint.interval=0", "--checkpoint.save_final=false",
+                *args.override]
+        tr = Trainer(load_config(ROOT / args.config, over, world_size=world))
+        assert (tr.pm.runner.pair is not None) == overlap, "overlap_ep did not take effect as asked"
+        steps, a2a = [], []
+        for i in range(args.warmup + args.steps):
+            totals.clear()
+            t0 = time.perf_counter()
+            tr.train_step()
+            dt = time.perf_counter() - t0
+            if i >= args.warmup:
+                steps.append(dt)
+                a2a.append((totals.get(0, 0.0), totals.get(1, 0.0)))
+        tr.close(destroy_groups=False)
+        rows[overlap] = (statistics.median(steps), statistics.median(a for a, _ in a2a),
+                         statistics.median(b for _, b in a2a))
+    import torch.distributed as dist
+
+    every = [None] * world
+    dist.all_gather_object(every, rows)
+    if rank == 0:
+        print(f"{'rank':>4} {'overlap':>7} {'step s':>8} {'a2a s0':>8} {'a2a s1':>8} {'hidden':>7}")
+        for r, res in enumerate(every):
+            off_step, off_a2a = res[False][0], res[False][1] + res[False][2]
+            for overlap in (False, True):
+                step, s0, s1 = res[overlap]
+                hidden = f"{(off_step - step) / off_a2a:7.1%}" if overlap and off_a2a > 0 else ""
+                print(f"{r:>4} {str(overlap):>7} {step:8.3f} {s0:8.3f} {s1:8.3f} {hidden:>7}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/small.yaml")
+    ap.add_argument("--world", type=int, default=2, help="gloo ranks (dp = world / pp)")
+    ap.add_argument("--ep", type=int, default=2)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--vpp", type=int, default=1)
+    ap.add_argument("--micro-batches", type=int, default=4, help="micro-batches per rank per step")
+    ap.add_argument("--moonep", default="true")
+    ap.add_argument("--recompute", default="false")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (OMP_NUM_THREADS)")
+    args, args.override = ap.parse_known_args()  # the rest: --section.key=value overrides of the config
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    with tempfile.TemporaryDirectory(prefix="k3train-bench-ep-overlap-") as tmp:
+        os.environ.setdefault("K3TRAIN_TEST_DATA_VIEWS", str(Path(tmp) / "views"))
+        args.out = tmp
+        from dist_helpers import run_distributed
+
+        print(f"{args.config}: world {args.world}, pp {args.pp}, vpp {args.vpp}, ep {args.ep}, {args.micro_batches} "
+              f"micro-batches per pipeline, moonep {args.moonep}, recompute {args.recompute}; {args.steps} steps after "
+              f"{args.warmup} warm-up")
+        run_distributed(_body, args.world, args, {}, timeout=3000)
+
+
+if __name__ == "__main__":
+    main()
