@@ -189,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                                              f"{len(sims)} simulated by predicted time)" if ref_row.pred else ""))
             if ref_row not in show and ref_row.pred is not None and ref_row.peak_bytes is not None:
                 print(format_table(res, [ref_row]).splitlines()[1])
+            if ref_row.pred is not None:
+                print(f"  {exposed_line(_predict_one(planner, ref_row, res, split_p2p=True))}")
         if chosen is not None:
             print(f"chosen: {chosen.layout.short()}  ({' '.join(chosen.layout.overrides())})")
             print(f"  {exposed_line(chosen.pred)}")

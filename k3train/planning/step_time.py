@@ -496,10 +496,13 @@ def _precompiled(programs: list[list[Any]], pp: int, vpp: int) -> list[list[tupl
 
 
 def simulate_programs(programs: list[list[Any]], pp: int, vpp: int, costs: ActionCosts, replicas: int,
-                      speed: Callable[[int], float] | None = None) -> SimOut:
+                      speed: Callable[[int], float] | None = None, pairs: Any = None) -> SimOut:
     """Event-driven run of every pipeline rank's program (module docstring). ``replicas``: ranks doing the same
     work at the same time (dp x cp); ``speed(n)``: a rank's speed (1 = alone) while ``n`` ranks of the host
-    compute (:meth:`Device.rank_speed`; None: a device each)."""
+    compute (:meth:`Device.rank_speed`; None: a device each). ``pairs``: ``(firsts, f_phases, b_phases)`` of F/B
+    pairing (the programs :func:`parallel.pipeline.p2p_programs.pair_programs` returned, its ``firsts``, and
+    :func:`side_phases`): a pair starts once both computes' inputs are there and runs their compute together with
+    what :func:`pair_seconds` leaves of their in-action communication (at full speed)."""
     progs = _precompiled(programs, pp, vpp)
     inf = float("inf")
     pos = [0] * pp
@@ -513,6 +516,7 @@ def simulate_programs(programs: list[list[Any]], pp: int, vpp: int, costs: Actio
     end = [0.0] * pp
     bc, bm = [0.0] * pp, [0.0] * pp
     chunk_done: list[dict[int, float]] = [{} for _ in range(pp)]
+    chunk_b: list[int | None] = [None] * pp  # the chunk of the backward the running action holds (if any)
     done = [False] * pp
 
     def advance(r: int) -> None:
@@ -532,10 +536,22 @@ def simulate_programs(programs: list[list[Any]], pp: int, vpp: int, costs: Actio
                 pos[r] += 1
             else:
                 a, v, deps = ins[1], ins[2], ins[3]
+                two = pairs is not None and a in pairs[0][r]
+                if two:
+                    a2, v2, deps2 = prog[pos[r] + 1][1:4]
+                    deps = deps + deps2
                 if any(arrival.get(d, inf) > t + 1e-15 for d in deps):
                     wait[r] = deps
                     return
                 comp, comm = (costs.f[v], costs.f_comm[v]) if a.kind == "F" else (costs.b[v], costs.b_comm[v])
+                if two:
+                    fv, bv = (v, v2) if a.kind == "F" else (v2, v)
+                    comp = costs.f[fv] + costs.b[bv]
+                    comm = max(0.0, pair_seconds(pairs[1][fv], pairs[2][bv]) - comp)
+                    chunk_b[r] = (a if a.kind == "B" else a2).chunk
+                    pos[r] += 1
+                else:
+                    chunk_b[r] = a.chunk if a.kind == "B" else None
                 rem[r], rem_comm[r] = comp, comm
                 running[r] = a
                 pos[r] += 1
@@ -580,13 +596,118 @@ def simulate_programs(programs: list[list[Any]], pp: int, vpp: int, costs: Actio
         t = t_next
         for r in busy:
             if rem[r] <= 0.0 and rem_comm[r] <= 1e-12 * max(1.0, t):
-                a = running[r]
                 running[r] = None
                 end[r] = t
-                if a.kind == "B":
-                    chunk_done[r][a.chunk] = t
+                if chunk_b[r] is not None:
+                    chunk_done[r][chunk_b[r]] = t
         settle()
     return SimOut(makespan=max(end), end=end, busy_compute=bc, busy_comm=bm, chunk_done=chunk_done)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# F/B pairing (parallel.overlap_ep, parallel/pairing.py): an F and a B of two micro-batches at once
+# --------------------------------------------------------------------------------------------------------------
+def pairs_actions(cfg: Any) -> bool:
+    """Whether the runtime pairs computes in this layout (``Config.ep_overlap``: its one rule)."""
+    return cfg.ep_overlap()[0]
+
+
+_PAIRED: dict[int, tuple[Any, Any]] = {}
+
+
+def paired_programs(programs: list[list[Any]], pp: int, vpp: int) -> tuple[list[list[Any]], list[set]]:
+    """:func:`parallel.pipeline.p2p_programs.pair_programs` of ``programs`` (memoised per programs object),
+    what the runner executes under ``parallel.overlap_ep``."""
+    from parallel.pipeline.p2p_programs import pair_programs
+
+    if id(programs) not in _PAIRED or _PAIRED[id(programs)][0] is not programs:
+        _PAIRED[id(programs)] = (programs, pair_programs(programs, pp, vpp))
+    return _PAIRED[id(programs)][1]
+
+
+def side_phases(cfg: Any, dev: Device, lay: Any, part: Any, layer_times: Any,
+                skew: float) -> tuple[list[list], list[list]]:
+    """Per virtual stage, its forward and its backward of one micro-batch as the sequences of compute (``'c'``,
+    seconds at full speed) and communication (``'n'``, wall seconds) phases their thread runs: per MoE layer the
+    forward computes up to the router, fetches MoonEP's replicas, dispatches (the count all-gather and the first
+    all-to-all), runs the experts and combines; the backward runs the combine's all-to-all first, the experts'
+    backward, the dispatch's all-to-all, MoonEP's gradient reduce-back, then the rest of the layer. The routed
+    experts' share of a MoE layer's compute is their share of its FLOPs (``partition.layer_cost``); under recompute
+    the backward re-runs each layer's forward phases first. The stage's pieces as :func:`action_costs` sums them."""
+    from parallel.pipeline.partition import layer_cost
+
+    (emb, layers, head), _, kinds = _layer_terms(cfg, dev, lay, layer_times, skew)
+    m = cfg.model
+    T = cfg.train.seq_len // lay.cp
+    routed = 2.0 * m.num_experts_per_token * 3 * m.expert_hidden_size * m.moe_intermediate_size * (
+        1.0 if lay.moonep else skew)
+    L = len(layers)
+    moe_kinds = ("ep_all_to_all", "moonep_replicas")
+
+    def share(i: int) -> float:  # the routed experts' share of layer i's compute (the MTP layer: its FFN kind's)
+        return min(1.0, routed / layer_cost(m, min(i, L - 1), T))
+
+    def fwd(i: int, c: float, kind: dict[str, tuple[float, float]]) -> list[tuple[str, float]]:
+        ep, rp = kind.get("ep_all_to_all", (0.0, 0.0))[0], kind.get("moonep_replicas", (0.0, 0.0))[0]
+        rest = sum(v[0] for k, v in kind.items() if k not in moe_kinds)
+        if ep == 0.0:
+            return [("c", c), ("n", rest)]
+        x = share(i)
+        return [("c", c * (1 - x)), ("n", rp), ("n", ep / 2), ("c", c * x), ("n", ep / 2), ("n", rest)]
+
+    def bwd(i: int, c: float, kind: dict[str, tuple[float, float]]) -> list[tuple[str, float]]:
+        ep, rp = kind.get("ep_all_to_all", (0.0, 0.0))[1], kind.get("moonep_replicas", (0.0, 0.0))[1]
+        rest = sum(v[1] for k, v in kind.items() if k not in moe_kinds)
+        if ep == 0.0:
+            return [("n", rest), ("c", c)]
+        x = share(i)
+        return [("n", rest), ("n", ep / 2), ("c", c * x), ("n", ep / 2), ("n", rp), ("c", c * (1 - x))]
+
+    n = part.num_stages
+    fs, bs = [], []
+    for v in range(n):
+        a, e = part.bounds[v]
+        pieces = [(i, layers[i], kinds[i]) for i in range(a, e)]
+        if v == n - 1:  # the head, with the MTP layer's communication (comm_per_layer's extra entry)
+            extra: dict[str, tuple[float, float]] = {}
+            for d in kinds[L:]:
+                for k, (x, y) in d.items():
+                    extra[k] = (extra.get(k, (0.0, 0.0))[0] + x, extra.get(k, (0.0, 0.0))[1] + y)
+            pieces.append((L, head, extra))
+        f_ph: list[tuple[str, float]] = [("c", emb[0])] if v == 0 else []
+        b_ph: list[tuple[str, float]] = []
+        for i, t, kind in pieces:
+            f_ph += fwd(i, t[0], kind)
+        for i, t, kind in reversed(pieces):
+            b_ph += (fwd(i, t[0], kind) + bwd(i, t[2] - t[0], kind)) if lay.recompute else bwd(i, t[1], kind)
+        if v == 0:
+            b_ph.append(("c", emb[2] - emb[0] if lay.recompute else emb[1]))
+        fs.append([p for p in f_ph if p[1] > 0])
+        bs.append([p for p in b_ph if p[1] > 0])
+    return fs, bs
+
+
+def pair_seconds(f_ph: list[tuple[str, float]], b_ph: list[tuple[str, float]], rate: float = 1.0) -> float:
+    """Wall seconds of one paired action: the two sides' phase sequences (:func:`side_phases`) run at once, each
+    phase as soon as its side's previous one ends, sharing the rank's compute (``'c'``: ``rate`` of full speed,
+    split equally while both sides compute, as two threads' kernels interleave) and its link (``'n'``: both sides'
+    collectives leave the same rank, split equally while both communicate)."""
+    sides = (list(f_ph), list(b_ph))
+    idx, left = [0, 0], [sides[0][0][1] if sides[0] else 0.0, sides[1][0][1] if sides[1] else 0.0]
+    t = 0.0
+    while idx[0] < len(sides[0]) or idx[1] < len(sides[1]):
+        active = [sd for sd in (0, 1) if idx[sd] < len(sides[sd])]
+        kinds = {sd: sides[sd][idx[sd]][0] for sd in active}
+        speed = {sd: (rate if kinds[sd] == "c" else 1.0) / sum(kinds[o] == kinds[sd] for o in active)
+                 for sd in active}
+        dt = min(left[sd] / speed[sd] for sd in active)
+        t += dt
+        for sd in active:
+            left[sd] -= dt * speed[sd]
+            if left[sd] <= 1e-12 * max(1.0, t):
+                idx[sd] += 1
+                left[sd] = sides[sd][idx[sd]][1] if idx[sd] < len(sides[sd]) else 0.0
+    return t
 
 
 def single_program(M: int) -> list[Any]:
@@ -656,7 +777,13 @@ def predict(cfg: Any, lay: Any, part: Any, programs: list[list[Any]], dev: Devic
     plan = AttnResCommPlan(part, cfg.parallel.attnres_comm) if lay.pp > 1 else None
     costs = action_costs(cfg, dev, lay, part, plan, layer_times, skew)
     dpcp = lay.dp * lay.cp
-    sim = simulate_programs(programs, lay.pp, part.vpp, costs, dpcp, dev.rank_speed if dev.shares_cores else None)
+    paired = pairs_actions(cfg)
+    pairs = None
+    if paired:  # parallel.overlap_ep: the runner's own pairing of the programs (parallel/pipeline/runner.py)
+        programs, firsts = paired_programs(programs, lay.pp, part.vpp)
+        pairs = (firsts, *side_phases(cfg, dev, lay, part, layer_times, skew))
+    sim = simulate_programs(programs, lay.pp, part.vpp, costs, dpcp, dev.rank_speed if dev.shares_cores else None,
+                            pairs)
     es = 2 if cfg.train.dtype == "bfloat16" else 4
     anchor = anchor_of(layer_times, cfg)
     total_numel = sum(p[0] + p[1] for p in facts.pieces.values())
@@ -710,10 +837,11 @@ def predict(cfg: Any, lay: Any, part: Any, programs: list[list[Any]], dev: Devic
     detail = {"pipeline_s": sim.makespan, "in_action_comm_s": in_action, "dp_reduce_s": max(finish) - sim.makespan,
               "param_bcast_s": max(bcast), "fixed_collectives_s": fixed, "critical_pp_rank": crit,
               "stage_f_s": costs.f, "stage_b_s": costs.b, "exposed_by_kind": by_kind}
+    detail["paired_fb"] = paired
     if split_p2p:
         free = dataclasses.replace(costs, msg_s={})
         alone = simulate_programs(programs, lay.pp, part.vpp, free, dpcp,
-                                  dev.rank_speed if dev.shares_cores else None)
+                                  dev.rank_speed if dev.shares_cores else None, pairs)
         detail["p2p_in_bubble_s"] = max(0.0, sim.makespan - alone.makespan)
     return Prediction(step_s=step, compute=compute, exposed_comm=exposed, bubble=bubble, optimizer=optimizer,
                       host=host, detail=detail)
@@ -728,11 +856,13 @@ def compute_lower_bound(cfg: Any, lay: Any, part: Any, dev: Device, facts: Param
 
     M = cfg.train.grad_accum_steps
     # memoised: the busy part does not depend on zero, the optimizer part not on the micro-batch shape
-    kb = ("lb", id(part), lay.mbs, lay.cp, lay.ep, lay.moonep, lay.recompute, M, id(dev), id(layer_times), skew)
+    kb = ("lb", id(part), lay.mbs, lay.cp, lay.ep, lay.moonep, lay.recompute, M, id(dev), id(layer_times), skew,
+          pairs_actions(cfg))
     if kb not in _MEMO:
         plan = AttnResCommPlan(part, cfg.parallel.attnres_comm) if lay.pp > 1 else None
         c = action_costs(cfg, dev, lay, part, plan, layer_times, skew)
-        busy = max(sum(c.f[v] + c.b[v] + c.f_comm[v] + c.b_comm[v] for v in part.local_stages(r)) * M
+        hide = 0.0 if pairs_actions(cfg) else 1.0  # paired F/B: the in-action communication may be hidden
+        busy = max(sum(c.f[v] + c.b[v] + hide * (c.f_comm[v] + c.b_comm[v]) for v in part.local_stages(r)) * M
                    for r in range(lay.pp))
         # one micro-batch's forward through every virtual stage and its backward back are a dependency chain
         chain = sum(c.f[v] + c.b[v] + c.f_comm[v] + c.b_comm[v] for v in range(part.num_stages))

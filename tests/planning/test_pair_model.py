@@ -1,0 +1,71 @@
+"""k3train/planning/step_time.py's model of F/B pairing (parallel.overlap_ep): a paired action's two phase sequences
+on one compute unit and one link, and the prediction of a pp = 1 layout with and without pairing."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from k3train.planning.step_time import pair_seconds
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = str(ROOT / "configs" / "tiny.yaml")
+
+
+def test_pair_of_phases():
+    # compute only: the two sides share the compute unit
+    assert pair_seconds([("c", 2.0)], [("c", 3.0)]) == pytest.approx(5.0)
+    # one side's all-to-all runs while the other computes: hidden entirely
+    f = [("c", 1.0), ("n", 2.0), ("c", 1.0)]
+    b = [("c", 4.0)]
+    assert pair_seconds(f, b) == pytest.approx(6.0)  # compute 6 = the lower bound; F's 2 s wait hidden
+    # nothing to hide behind: the link is the bottleneck (both sides' collectives leave the same rank)
+    assert pair_seconds([("n", 3.0)], [("n", 2.0)]) == pytest.approx(5.0)
+    # never below either side's own chain, nor the total compute; never above running them one after the other
+    f = [("c", 0.5), ("n", 1.5), ("c", 0.3), ("n", 1.0)]
+    b = [("n", 1.0), ("c", 0.7), ("n", 0.4), ("c", 0.2)]
+    t = pair_seconds(f, b)
+    assert max(sum(x for _, x in f), sum(x for _, x in b), 1.7) <= t <= sum(x for _, x in f + b)
+    # compute at half speed doubles compute phases only
+    assert pair_seconds([("c", 1.0), ("n", 1.0)], [], rate=0.5) == pytest.approx(3.0)
+
+
+def _predict(pins: list[str]):  # noqa: ANN202
+    from k3train.config import load_config
+    from k3train.planning.devices import PUBLISHED
+    from k3train.planning.layouts import Validator, canonical
+    from k3train.planning.plan import Planner
+    from k3train.planning.step_time import ParamFacts, predict
+
+    # compute and expert all-to-all of comparable length (a slow device, slow links)
+    dev = dataclasses.replace(PUBLISHED["h100"], peak_flops=2e10, nvlink_bw=1e9, internode_bw=1e9)
+    cfg = load_config(TINY, pins + ["--train.global_batch_size=32"], world_size=4)
+    lay = canonical(cfg)
+    part = Validator(cfg, 4).partition(cfg)
+    programs = Planner(TINY, pins, 4, dev, log=lambda *a: None).programs(lay, cfg.train.grad_accum_steps)
+    return predict(cfg, lay, part, programs, dev, ParamFacts.build(cfg), None, 1.5, None, split_p2p=True)
+
+
+@pytest.mark.parametrize("pins", [
+    ["--parallel.pp=1", "--parallel.dp=4", "--parallel.ep=4", "--parallel.moonep=true"],
+    ["--parallel.pp=1", "--parallel.dp=4", "--parallel.ep=4", "--parallel.moonep=false"],
+    ["--parallel.pp=2", "--parallel.vpp=2", "--parallel.dp=2", "--parallel.ep=2", "--parallel.moonep=true"],
+], ids=["dp4-ep4-moonep", "dp4-ep4", "pp2v2-dp2-ep2-moonep"])
+def test_pairing_hides_expert_all_to_all_in_the_prediction(pins):
+    pins = pins + ["--parallel.zero=1", "--train.micro_batch_size=2"]
+    off = _predict(pins + ["--parallel.overlap_ep=false"])
+    on = _predict(pins + ["--parallel.overlap_ep=true"])
+    assert on.detail["paired_fb"] and not off.detail["paired_fb"]
+    if "--parallel.pp=1" in pins:  # one rank: the same compute (at pp > 1 the critical rank may change)
+        assert on.compute == pytest.approx(off.compute)
+    ep_on, ep_off = on.detail["exposed_by_kind"]["ep_all_to_all"], off.detail["exposed_by_kind"]["ep_all_to_all"]
+    assert 0 < ep_on < ep_off
+    if "--parallel.pp=1" in pins:
+        assert on.step_s < off.step_s
+        # what is hidden is at most the in-action communication of the paired actions
+        assert off.step_s - on.step_s <= off.detail["in_action_comm_s"] + 1e-12
+    else:  # a pair's first compute sends its output only once the second one is done: the next stage waits
+        assert on.bubble > off.bubble
+    for p in (on, off):
+        assert sum(p.detail["exposed_by_kind"].values()) == pytest.approx(p.exposed_comm, rel=1e-9)
