@@ -201,7 +201,7 @@ class LocalRunner(StepRunner):
         else:
             for mb, batch in enumerate(micro_batches):
                 self.current = ("F", 0, mb)
-                sums, loss = self._forward(batch, norm)
+                sums, loss = self._forward_micro_batch(batch, norm)
                 self.current = ("B", 0, mb)
                 loss.backward()
                 self._add_sums(stats, sums, loss)
@@ -214,7 +214,7 @@ class LocalRunner(StepRunner):
         self.last_stats = stats
         return stats
 
-    def _forward(self, batch: Any, norm: LossNorm) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    def _forward_micro_batch(self, batch: Any, norm: LossNorm) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         seq = self.make_seq(batch)  # outside recomputation: under CP it builds a collective context
         sums = run_maybe_recomputed(functools.partial(self._run, batch, seq), self.recompute_chunk)
         return sums, norm(sums)
@@ -225,14 +225,14 @@ class LocalRunner(StepRunner):
 
         def forward(mb: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
             raise_point("pair_forward", mb)
-            return self._forward(micro_batches[mb], norm)
+            return self._forward_micro_batch(micro_batches[mb], norm)
 
         def backward(mb: int, loss: torch.Tensor) -> None:
             raise_point("pair_backward", mb)
             loss.backward()
 
         self.current = ("F", 0, 0)
-        sums, loss = self._forward(micro_batches[0], norm)
+        sums, loss = self._forward_micro_batch(micro_batches[0], norm)
         last = len(micro_batches) - 1
         for mb in range(last + 1):
             self.current = ("B", 0, mb)
