@@ -792,7 +792,9 @@ def walk_schedule(program: list[Any], traces: dict[int, ChunkTrace], grad_full: 
     bytes grow while the B frees its micro-batch's, so the pair's peak is where the F ends (its own peak: the
     head and loss come last) with the B ``pair_done`` of the way through, having freed that share of its saved
     bytes (the two threads share the cores: with a backward k times the forward, the F ends when the B has done
-    1/k of its work); at least the B's own peak. What actually meets depends on the threads' timing: measured
+    1/k of its work) -- unless the B consumes a received gradient (not the last stage): the next stage sends it
+    from a pair of its own, so when the F ends the B may still wait for it, having freed nothing (measured so at
+    pp 2 x vpp 2); at least the B's own peak. What actually meets depends on the threads' timing: measured
     peaks vary run to run by a few percent (tools/memory.py --measure)."""
     computes = [ins.action for ins in program if ins.op == "compute"]
     last_b = {a.chunk: i for i, a in enumerate(computes) if a.kind == "B"}
@@ -832,7 +834,9 @@ def walk_schedule(program: list[Any], traces: dict[int, ChunkTrace], grad_full: 
             else:
                 # b_peak is measured from before this micro-batch's forward: it includes its own saved bytes
                 peaks["B"] = b_peak - saved + b_extra[x.chunk]
-                peaks["B freed"] = int(pair_done * (saved + per_mb_extra[x.chunk]))
+                # a B that consumes a received gradient may still wait for it when the F ends: nothing freed
+                done = 0.0 if traces[x.chunk].grad_msg else pair_done
+                peaks["B freed"] = int(done * (saved + per_mb_extra[x.chunk]))
         if len(acts) == 1:
             cand = live + peaks.get("F", peaks.get("B"))
         else:  # a pair: the F's peak at its end, the B partly through (docstring); at least the B's own peak

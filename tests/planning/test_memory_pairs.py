@@ -13,8 +13,9 @@ from k3train.planning.memory import ChunkTrace, paired_programs, walk_schedule
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _walk(program, pairs, saved=100, f_peak=130, b_peak=150, pair_done=0.5):  # noqa: ANN001, ANN202
-    tr = {0: ChunkTrace(chunk=0, stage=0, layers=(0, 1), saved=saved, f_peak=f_peak, b_peak=b_peak)}
+def _walk(program, pairs, saved=100, f_peak=130, b_peak=150, pair_done=0.5, grad_msg=0):  # noqa: ANN001, ANN202
+    tr = {0: ChunkTrace(chunk=0, stage=0, layers=(0, 1), saved=saved, f_peak=f_peak, b_peak=b_peak,
+                        grad_msg=grad_msg)}
     segs = [None] * 8
     tl: list = []
     out = walk_schedule(program, tr, {0: 7}, {0: 7}, 0, {0: 0}, {0: 0}, lambda m: 0, {}, segs, tl, pairs=pairs,
@@ -39,6 +40,10 @@ def test_local_pairs_walk():
     (peak, act, g, at), tl = _walk(progs[0], firsts[0])
     assert [w for w, _, _ in tl] == ["F0.0", "F0.1+B0.0", "F0.2+B0.1", "B0.2"]
     assert (peak, act, g, at) == (100 - 50 + 130 + 7, 180, 7, "F0.2+B0.1")
+    # a B consuming a received gradient may not have started when the F ends: it has freed nothing
+    # (the walk books 1 byte of gradient payload it never received: held drops by 1 per B)
+    (peak, _, _, _), _ = _walk(progs[0], firsts[0], grad_msg=1)
+    assert peak == (100 - 1) + 130 + 7
     # at least the B's own peak (a B freeing nothing until the F ended)
     (peak, _, _, _), _ = _walk(progs[0], firsts[0], pair_done=0.0, b_peak=400)
     assert peak == 100 + 400 - 100 + 7
