@@ -316,7 +316,8 @@ def pair_programs(programs: list[list[Instr]], pp: int, vpp: int
     ``firsts[r]``: ``{X: number of X's trailing posts}`` for every pair of rank ``r`` (its ``Y`` is the next
     compute, the trailing posts are the instructions right after ``Y``).
     The paired programs are checked (:func:`check_programs`, and :func:`run_programs` under ordered matching:
-    deadlock-free also when ``X``'s consumers are what ``Y`` waits for); a rank's pairs that fail are dropped
+    deadlock-free also when ``X``'s consumers are what ``Y`` waits for: the check runs ``X``'s posts after ``Y``,
+    the latest the runner may post them); a rank's pairs that fail are dropped
     from the first one on until they pass (every rank computes the same programs, so every rank agrees)."""
     def paired(r: int, prog: list[Instr], limit: int) -> tuple[list[Instr], dict[Action, int]]:
         out: list[Instr] = []
