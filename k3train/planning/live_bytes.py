@@ -9,17 +9,23 @@ The same class measures a real training step (``k3train.planning.measure``) and 
 runs (``k3train.planning.memory``), so the two numbers count exactly the same thing: storage bytes, no allocator
 rounding or fragmentation (on GPU add the caching allocator's slack on top).
 
+Threads: a dispatch mode is active on the thread that entered it only (torch's mode stack is thread-local), so
+work another thread runs -- F/B pairing's worker (parallel/pairing.py) -- is booked only inside
+:meth:`on_this_thread`; the bookkeeping is locked (storages may be booked and freed from both threads).
+
 ``phase`` labels (set by the caller) record the live bytes at the overall peak and the peak reached inside each
 phase, so a report can say *where* the peak happened (forward, backward, optimizer step).
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 import weakref
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode, _push_mode
 from torch.utils._pytree import tree_leaves
 
 
@@ -45,6 +51,16 @@ class LiveBytes(TorchDispatchMode):
         self.phase = "init"
         self.peak_phase = "init"
         self.phase_peak: dict[str, int] = {}
+        self._lock = threading.RLock()  # (re-entrant: a weakref callback may run while booking)
+
+    @contextlib.contextmanager
+    def on_this_thread(self) -> Iterator[None]:
+        """Book what the calling thread (not the one that entered the mode) creates inside the block."""
+        _push_mode(self)
+        try:
+            yield
+        finally:
+            _pop_mode()
 
     # bookkeeping ------------------------------------------------------------------------------------------
     def _book(self, t: torch.Tensor) -> None:
@@ -52,6 +68,10 @@ class LiveBytes(TorchDispatchMode):
             st = t.untyped_storage()
         except Exception:  # noqa: BLE001 - e.g. sparse / nested tensors: no plain storage
             return
+        with self._lock:
+            self._book_storage(t, st)
+
+    def _book_storage(self, t: torch.Tensor, st: torch.UntypedStorage) -> None:
         key = _storage_key(t, st)
         size = st.nbytes()
         old = self._sizes.get(key)
@@ -70,10 +90,11 @@ class LiveBytes(TorchDispatchMode):
         self._note()
 
     def _release(self, key: Any) -> None:
-        size = self._sizes.pop(key, None)
-        self._refs.pop(key, None)
-        if size is not None:
-            self.live -= size
+        with self._lock:
+            size = self._sizes.pop(key, None)
+            self._refs.pop(key, None)
+            if size is not None:
+                self.live -= size
 
     def _note(self) -> None:
         if self.live > self.phase_peak.get(self.phase, -1):

@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -44,6 +45,8 @@ def _timeline(lb: LiveBytes, runner, log: list) -> None:  # noqa: ANN001 - a Pip
             continue
 
         def run(a, _fn=fn):  # noqa: ANN001, ANN202
+            if threading.current_thread() is not threading.main_thread():
+                return _fn(a)  # a paired forward (F/B pairing's worker): the main thread's action records
             before, lb.phase_peak["action"] = lb.live, lb.live
             phase, lb.phase = lb.phase, "action"
             try:
@@ -52,6 +55,23 @@ def _timeline(lb: LiveBytes, runner, log: list) -> None:  # noqa: ANN001 - a Pip
                 lb.phase = phase
                 log.append((repr(a), before, lb.phase_peak["action"]))
         setattr(runner, name, run)
+
+
+def _book_pair_worker(lb: LiveBytes, runner) -> None:  # noqa: ANN001 - a StepRunner
+    """F/B pairing (``runner.pair``, parallel/pairing.py): book what the pair worker thread allocates too (the
+    dispatch mode is thread-local: without this the paired forwards' activations are not counted)."""
+    pair = getattr(runner, "pair", None)
+    if pair is None:
+        return
+    run = pair.run
+
+    def booked(fn):  # noqa: ANN001, ANN202
+        def on_worker():  # noqa: ANN202
+            with lb.on_this_thread():
+                return fn()
+        return on_worker
+
+    pair.run = lambda worker_fn, main_fn, *a, **kw: run(booked(worker_fn), main_fn, *a, **kw)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer.optimizer.step = _labelled(lb, "optimizer_step", trainer.optimizer.step)
         timeline: list = []
         _timeline(lb, trainer.pm.runner, timeline)
+        _book_pair_worker(lb, trainer.pm.runner)
         for s in range(args.steps):
             timeline.clear()
             if s == 1:

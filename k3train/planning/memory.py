@@ -778,18 +778,35 @@ def ep_buffers(cfg: Config, model: nn.Module, ep: int, B: int, T: int) -> tuple[
 def walk_schedule(program: list[Any], traces: dict[int, ChunkTrace], grad_full: dict[int, int],
                   grad_owned: dict[int, int], zero: int, per_mb_extra: dict[int, int],
                   b_extra: dict[int, int], msg_bytes: Any, cached_grad: dict[int, int],
-                  mb_segs: list[int | None], timeline: list | None = None) -> tuple[int, int, int, str]:
+                  mb_segs: list[int | None], timeline: list | None = None,
+                  pairs: Any = None, pair_done: float = 0.5) -> tuple[int, int, int, str]:
     """Walk this rank's real program (``parallel.pipeline.p2p.build_programs``: receives posted ahead, computes,
     sends) holding what the runner holds: a received payload from its post to the B that consumes it, a
     micro-batch's saved bytes from its F to its B, the gradients sent back until the next compute, the block-cache
     gradients of earlier local chunks until their B. Returns ``(peak above params+optimizer+persistent buffers,
-    activations at the peak, gradients at the peak, action at the peak)``."""
+    activations at the peak, gradients at the peak, action at the peak)``.
+
+    ``pairs`` (F/B pairing, ``parallel.overlap_ep``; ``program`` is then the paired one, :func:`paired_programs`):
+    the first compute of every pair -> its trailing-post count (``pair_programs``' firsts); it and the next
+    compute run at the same time on two threads. The F's saved
+    bytes grow while the B frees its micro-batch's, so the pair's peak is where the F ends (its own peak: the
+    head and loss come last) with the B ``pair_done`` of the way through, having freed that share of its saved
+    bytes (the two threads share the cores: with a backward k times the forward, the F ends when the B has done
+    1/k of its work) -- unless the B consumes a received gradient (not the last stage): the next stage sends it
+    from a pair of its own, so when the F ends the B may still wait for it, having freed nothing (measured so at
+    pp 2 x vpp 2); at least the B's own peak. What actually meets depends on the threads' timing: measured
+    peaks vary run to run by a few percent (tools/memory.py --measure)."""
     computes = [ins.action for ins in program if ins.op == "compute"]
     last_b = {a.chunk: i for i, a in enumerate(computes) if a.kind == "B"}
     grads = {c: 0 for c in traces}
     held, pending_send, cache_g = 0, 0, {}
     best = (-1, 0, 0, "")
     i = -1
+    with_next: Any = None  # the first compute of the running pair (its effects apply with the second's)
+    # a pair's first compute posts its trailing receives (the instructions after the second) as soon as it ends
+    # (PipelineRunner.run_pair): a paired F's are held at the F's end already
+    x_recv = {ins.action: sum(msg_bytes(p.msg) for p in program[k + 2:k + 2 + pairs[ins.action]] if p.op == "recv")
+              for k, ins in enumerate(program) if ins.op == "compute" and pairs and ins.action in pairs}
     for ins in program:
         if ins.op == "recv":
             held += msg_bytes(ins.msg)
@@ -798,35 +815,72 @@ def walk_schedule(program: list[Any], traces: dict[int, ChunkTrace], grad_full: 
             continue
         i += 1
         a = ins.action
-        tr = traces[a.chunk]
-        saved, f_peak, b_peak = tr.at(mb_segs[a.mb])
+        if pairs and a in pairs and with_next is None:
+            with_next = a
+            continue
+        acts = [(with_next, i - 1), (a, i)] if with_next is not None else [(a, i)]
+        with_next = None
         # gradients of the chunk's first B are created inside it (autograd keeps the fresh tensor as .grad): the
         # trace's b_peak (run with .grad pre-set) already holds their size, so they count from the next action on
         g = sum(grads.values())
-        if a.kind == "B" and grads[a.chunk] == 0:
-            grads[a.chunk] = grad_full[a.chunk]
         live = held + pending_send + sum(cache_g.values())
-        if a.kind == "F":
-            cand = live + f_peak + per_mb_extra[a.chunk]
-        else:
-            # b_peak is measured from before this micro-batch's forward: it includes its own saved bytes
-            cand = live - saved + b_peak + b_extra[a.chunk]
+        peaks = {}
+        for x, _ in acts:
+            saved, f_peak, b_peak = traces[x.chunk].at(mb_segs[x.mb])
+            if x.kind == "B" and grads[x.chunk] == 0:
+                grads[x.chunk] = grad_full[x.chunk]
+            if x.kind == "F":
+                peaks["F"] = f_peak + per_mb_extra[x.chunk]
+            else:
+                # b_peak is measured from before this micro-batch's forward: it includes its own saved bytes
+                peaks["B"] = b_peak - saved + b_extra[x.chunk]
+                # a B that consumes a received gradient may still wait for it when the F ends: nothing freed
+                done = 0.0 if traces[x.chunk].grad_msg else pair_done
+                peaks["B freed"] = int(done * (saved + per_mb_extra[x.chunk]))
+        if len(acts) == 1:
+            cand = live + peaks.get("F", peaks.get("B"))
+        else:  # a pair: the F's peak at its end, the B partly through (docstring); at least the B's own peak
+            cand = live + max(peaks["F"] - peaks["B freed"] + x_recv.get(acts[0][0], 0), peaks["B"])
+        what = "+".join(repr(x) for x, _ in acts)
         if cand + g > best[0]:
-            best = (cand + g, cand, g, f"{a!r}")
+            best = (cand + g, cand, g, what)
         if timeline is not None:
-            timeline.append((repr(a), live + g, cand + g))
+            timeline.append((what, live + g, cand + g))
         pending_send = 0  # sends get one compute of slack (PipelineRunner.run_instr)
-        if a.kind == "F":
-            held += saved + per_mb_extra[a.chunk]
-        else:
-            held -= saved + per_mb_extra[a.chunk] + tr.recv + tr.grad_msg
-            pending_send = tr.recv
-            cache_g.pop((a.chunk, a.mb), None)
-            if cached_grad.get(a.chunk):
-                cache_g[(a.chunk - 1, a.mb)] = cached_grad[a.chunk]
-            if zero == 2 and last_b[a.chunk] == i:
-                grads[a.chunk] = grad_owned[a.chunk]
+        for x, k in acts:
+            tr = traces[x.chunk]
+            saved = tr.at(mb_segs[x.mb])[0]
+            if x.kind == "F":
+                held += saved + per_mb_extra[x.chunk]
+            else:
+                held -= saved + per_mb_extra[x.chunk] + tr.recv + tr.grad_msg
+                pending_send = tr.recv
+                cache_g.pop((x.chunk, x.mb), None)
+                if cached_grad.get(x.chunk):
+                    cache_g[(x.chunk - 1, x.mb)] = cached_grad[x.chunk]
+                if zero == 2 and last_b[x.chunk] == k:
+                    grads[x.chunk] = grad_owned[x.chunk]
     return best[0], best[1], best[2], best[3]
+
+
+def paired_programs(cfg: Any, programs: list[list[Any]], pp: int, vpp: int
+                    ) -> tuple[list[list[Any]], list[Any]]:
+    """``(programs, firsts)`` the runner executes: under F/B pairing (``cfg.ep_overlap()``) the paired programs
+    (pp > 1: ``p2p_programs.pair_programs``; pp = 1: LocalRunner's F(0), then F(m+1) with B(m), then B(M-1))
+    and per rank ``{first compute of each pair: its trailing-post count}``; else ``programs`` and no pairs."""
+    if not cfg.ep_overlap()[0]:
+        return programs, [{} for _ in programs]
+    if pp > 1:
+        from parallel.pipeline.p2p_programs import pair_programs
+
+        return pair_programs(programs, pp, vpp)
+    from parallel.pipeline.p2p import Instr
+    from parallel.pipeline.schedules import Action
+
+    M = sum(1 for ins in programs[0] if ins.op == "compute") // 2
+    order = [Action("F", 0, 0)] + [x for m in range(M - 1) for x in (Action("F", 0, m + 1), Action("B", 0, m))]
+    order.append(Action("B", 0, M - 1))
+    return [[Instr("compute", action=a) for a in order]], [{Action("F", 0, m + 1): 0 for m in range(M - 1)}]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -886,6 +940,8 @@ def estimate(cfg: Config, world_size: int, cache: Any = None, media: MediaCase |
         from parallel.pipeline.schedules import Action
 
         programs = [[Instr("compute", action=Action(k, 0, m)) for m in range(M) for k in "FB"]]
+    # F/B pairing (parallel.overlap_ep): the program the runner executes, two computes at once in every pair
+    programs, pair_firsts = paired_programs(cfg, programs, P, part.vpp)
     es = 2 if cfg.train.dtype == "bfloat16" else 4
     all_groups = dims0._enumerate_groups()
     fake = cache.fake if cache is not None else FakeTensorMode(allow_non_fake_inputs=True)
@@ -960,6 +1016,8 @@ def estimate(cfg: Config, world_size: int, cache: Any = None, media: MediaCase |
             raise TraceTooBig(e.nbytes + params) from None
         traces = traces_cp[0]
         ep_persist, replica, n_moe = ep_buffers(cfg, model, E, B, T)
+        if pair_firsts[pp_rank]:  # side 1 of the pairs has token buffers and a replica pool of its own (EPSide)
+            ep_persist *= 2
         moe_per_chunk = {c: sum(1 for i in range(*local_chunks[c]) if _layer_is_moe(cfg, i))
                          for c in range(len(local_chunks))}
         # MoonEP's replica weights live in the shared pool (persistent, in ``ep_persist``), nothing per layer and
@@ -1007,7 +1065,9 @@ def estimate(cfg: Config, world_size: int, cache: Any = None, media: MediaCase |
                     if wkey not in walk_cache:
                         walk_cache[wkey] = max(
                             walk_schedule(program, traces, grad_full, grad_owned, pc.zero, per_mb_extra, b_extra,
-                                          msg_bytes, cached_grad, segs) for segs in step_segs)
+                                          msg_bytes, cached_grad, segs, pairs=pair_firsts[pp_rank],
+                                          pair_done=1 / 3 if pc.recompute else 1 / 2)
+                            for segs in step_segs)
                     peak_dyn, act, g_at, where = walk_cache[wkey]
                     g_end = sum(grad_owned.values()) if pc.zero == 2 else sum(grad_full.values())
                     step_peak = g_end + ns_t + _bucket_transient(infos, owned, pc.zero)

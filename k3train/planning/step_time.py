@@ -502,7 +502,11 @@ def simulate_programs(programs: list[list[Any]], pp: int, vpp: int, costs: Actio
     compute (:meth:`Device.rank_speed`; None: a device each). ``pairs``: ``(firsts, f_phases, b_phases)`` of F/B
     pairing (the programs :func:`parallel.pipeline.p2p_programs.pair_programs` returned, its ``firsts``, and
     :func:`side_phases`): a pair starts once both computes' inputs are there and runs their compute together with
-    what :func:`pair_seconds` leaves of their in-action communication (at full speed)."""
+    what :func:`pair_seconds` leaves of their in-action communication (at full speed). The pair's first compute
+    ``X`` posts its trailing sends as soon as its side is done, while the second still runs (the runner's
+    ``run_pair``): the pair runs as two segments, split where :func:`pair_side_ends` ends ``X``'s side at full
+    speed (each segment that share of the pair's compute and of its communication, so the whole is unchanged),
+    and ``X``'s posts leave between them."""
     progs = _precompiled(programs, pp, vpp)
     inf = float("inf")
     pos = [0] * pp
@@ -511,6 +515,7 @@ def simulate_programs(programs: list[list[Any]], pp: int, vpp: int, costs: Actio
     rem = [0.0] * pp          # remaining compute of the running action (seconds at full speed)
     rem_comm = [0.0] * pp     # then its in-action communication (wall seconds: measured while every rank computes)
     running: list[Any] = [None] * pp
+    second: list[tuple | None] = [None] * pp  # a pair: (compute, communication, X's posts) after X's side ends
     wait: list[tuple] = [()] * pp  # deps of the compute a rank is blocked on
     t = 0.0
     end = [0.0] * pp
@@ -519,21 +524,23 @@ def simulate_programs(programs: list[list[Any]], pp: int, vpp: int, costs: Actio
     chunk_b: list[int | None] = [None] * pp  # the chunk of the backward the running action holds (if any)
     done = [False] * pp
 
+    def post(r: int, ins: tuple) -> None:
+        if ins[0] == "send":
+            msg, dst = ins[1], ins[2]
+            lat, xfer = costs.msg_s.get(msg.stage, (0.0, 0.0))
+            k = (r, dst)
+            start = max(t, link_free.get(k, 0.0))
+            link_free[k] = start + xfer
+            arrival[msg] = start + xfer + lat
+        pos[r] += 1
+
     def advance(r: int) -> None:
         prog = progs[r]
         wait[r] = ()
         while pos[r] < len(prog):
             ins = prog[pos[r]]
-            if ins[0] == "recv":
-                pos[r] += 1
-            elif ins[0] == "send":
-                msg, dst = ins[1], ins[2]
-                lat, xfer = costs.msg_s.get(msg.stage, (0.0, 0.0))
-                k = (r, dst)
-                start = max(t, link_free.get(k, 0.0))
-                link_free[k] = start + xfer
-                arrival[msg] = start + xfer + lat
-                pos[r] += 1
+            if ins[0] != "comp":
+                post(r, ins)
             else:
                 a, v, deps = ins[1], ins[2], ins[3]
                 two = pairs is not None and a in pairs[0][r]
@@ -547,7 +554,12 @@ def simulate_programs(programs: list[list[Any]], pp: int, vpp: int, costs: Actio
                 if two:
                     fv, bv = (v, v2) if a.kind == "F" else (v2, v)
                     comp = costs.f[fv] + costs.b[bv]
-                    comm = max(0.0, pair_seconds(pairs[1][fv], pairs[2][bv]) - comp)
+                    ends = pair_side_ends(pairs[1][fv], pairs[2][bv])
+                    total = max(ends)
+                    comm = max(0.0, total - comp)
+                    x = min(1.0, ends[0 if a.kind == "F" else 1] / total) if total > 0.0 else 1.0
+                    second[r] = (comp * (1.0 - x), comm * (1.0 - x), pairs[0][r][a])
+                    comp, comm = comp * x, comm * x
                     chunk_b[r] = (a if a.kind == "B" else a2).chunk
                     pos[r] += 1
                 else:
@@ -595,6 +607,11 @@ def simulate_programs(programs: list[list[Any]], pp: int, vpp: int, costs: Actio
                 bm[r] += dt
         t = t_next
         for r in busy:
+            if rem[r] <= 0.0 and rem_comm[r] <= 1e-12 * max(1.0, t) and second[r] is not None:
+                rem[r], rem_comm[r], n = second[r]  # X's side is done: its posts leave, the pair goes on
+                second[r] = None
+                for _ in range(n):
+                    post(r, progs[r][pos[r]])
             if rem[r] <= 0.0 and rem_comm[r] <= 1e-12 * max(1.0, t):
                 running[r] = None
                 end[r] = t
@@ -615,7 +632,7 @@ def pairs_actions(cfg: Any) -> bool:
 _PAIRED: dict[int, tuple[Any, Any]] = {}
 
 
-def paired_programs(programs: list[list[Any]], pp: int, vpp: int) -> tuple[list[list[Any]], list[set]]:
+def paired_programs(programs: list[list[Any]], pp: int, vpp: int) -> tuple[list[list[Any]], list[dict]]:
     """:func:`parallel.pipeline.p2p_programs.pair_programs` of ``programs`` (memoised per programs object),
     what the runner executes under ``parallel.overlap_ep``."""
     from parallel.pipeline.p2p_programs import pair_programs
@@ -692,9 +709,17 @@ def pair_seconds(f_ph: list[tuple[str, float]], b_ph: list[tuple[str, float]], r
     phase as soon as its side's previous one ends, sharing the rank's compute (``'c'``: ``rate`` of full speed,
     split equally while both sides compute, as two threads' kernels interleave) and its link (``'n'``: both sides'
     collectives leave the same rank, split equally while both communicate)."""
+    return max(pair_side_ends(f_ph, b_ph, rate))
+
+
+def pair_side_ends(f_ph: list[tuple[str, float]], b_ph: list[tuple[str, float]],
+                   rate: float = 1.0) -> tuple[float, float]:
+    """``(F side's end, B side's end)`` in wall seconds from the pair's start (:func:`pair_seconds`' model; a
+    side left alone runs its phases at full share)."""
     sides = (list(f_ph), list(b_ph))
     idx, left = [0, 0], [sides[0][0][1] if sides[0] else 0.0, sides[1][0][1] if sides[1] else 0.0]
     t = 0.0
+    ends = [0.0, 0.0]
     while idx[0] < len(sides[0]) or idx[1] < len(sides[1]):
         active = [sd for sd in (0, 1) if idx[sd] < len(sides[sd])]
         kinds = {sd: sides[sd][idx[sd]][0] for sd in active}
@@ -707,7 +732,9 @@ def pair_seconds(f_ph: list[tuple[str, float]], b_ph: list[tuple[str, float]], r
             if left[sd] <= 1e-12 * max(1.0, t):
                 idx[sd] += 1
                 left[sd] = sides[sd][idx[sd]][1] if idx[sd] < len(sides[sd]) else 0.0
-    return t
+                if idx[sd] == len(sides[sd]):
+                    ends[sd] = t
+    return ends[0], ends[1]
 
 
 def single_program(M: int) -> list[Any]:

@@ -43,7 +43,9 @@ class P2PTransport:
         self.generation = 0  # bumped by the runner before every compute
         self._recvs: dict[Message, tuple[list[torch.Tensor], list[Any]]] = {}
         self.wait_s = 0.0  # seconds blocked in wait() this step (receives not yet arrived)
-        self._lock = threading.Lock()  # wait() may run on two threads at once (F/B pairing, parallel/pairing.py)
+        # F/B pairing (parallel/pairing.py): wait() may run on two threads at once, and a pair's first compute
+        # posts its sends / receives from its own thread while the other side waits for a receive
+        self._lock = threading.Lock()
 
     def tag(self, msg: Message, i: int) -> int:
         if i >= self.max_items:
@@ -54,27 +56,30 @@ class P2PTransport:
     def send(self, msg: Message, tensors: list[torch.Tensor], kinds: list[str]) -> None:
         """Post ``isend`` of every tensor of ``msg`` (detached, contiguous) to its destination rank."""
         dst = self.peers[message_route(msg, self.placement)[1]]
-        for i, (t, kind) in enumerate(zip(tensors, kinds)):
-            t = t.detach().contiguous()
-            work = dist.isend(t, dst, group=self.group, tag=self.tag(msg, i))
-            self._sends.append((self.generation, work, t))  # keep the buffer alive until the send completes
-            self.counter.add_sent(kind, t)
+        with self._lock:
+            for i, (t, kind) in enumerate(zip(tensors, kinds)):
+                t = t.detach().contiguous()
+                work = dist.isend(t, dst, group=self.group, tag=self.tag(msg, i))
+                self._sends.append((self.generation, work, t))  # keep the buffer alive until the send completes
+                self.counter.add_sent(kind, t)
 
     def post_recv(self, msg: Message, specs: list[tuple[tuple[int, ...], torch.dtype]], kinds: list[str],
                   device: torch.device) -> None:
         """Pre-allocate and post ``irecv`` for every tensor of ``msg``."""
         src = self.peers[message_route(msg, self.placement)[0]]
         bufs, works = [], []
-        for i, ((shape, dtype), kind) in enumerate(zip(specs, kinds)):
-            buf = torch.empty(shape, dtype=dtype, device=device)
-            works.append(dist.irecv(buf, src, group=self.group, tag=self.tag(msg, i)))
-            bufs.append(buf)
-            self.counter.add_recv(kind, buf)
-        self._recvs[msg] = (bufs, works)
+        with self._lock:
+            for i, ((shape, dtype), kind) in enumerate(zip(specs, kinds)):
+                buf = torch.empty(shape, dtype=dtype, device=device)
+                works.append(dist.irecv(buf, src, group=self.group, tag=self.tag(msg, i)))
+                bufs.append(buf)
+                self.counter.add_recv(kind, buf)
+            self._recvs[msg] = (bufs, works)
 
     def wait(self, msg: Message) -> list[torch.Tensor]:
         """Block until every tensor of ``msg`` arrived; returns the buffers (wire order)."""
-        bufs, works = self._recvs.pop(msg)
+        with self._lock:
+            bufs, works = self._recvs.pop(msg)
         t0 = time.perf_counter()
         for w in works:
             w.wait()

@@ -302,21 +302,26 @@ def recv_lead(programs: list[list[Instr]], pp: int, vpp: int) -> tuple[int, int]
     return ahead, total
 
 
-def pair_programs(programs: list[list[Instr]], pp: int, vpp: int) -> tuple[list[list[Instr]], list[set[Action]]]:
+def pair_programs(programs: list[list[Instr]], pp: int, vpp: int
+                  ) -> tuple[list[list[Instr]], list[dict[Action, int]]]:
     """F/B pairing (``parallel.overlap_ep``, parallel/pairing.py) of the F/B programs: ``(programs, firsts)``.
 
     A compute ``X`` and the next compute ``Y`` of a rank form a pair when one is an F and the other a B of another
-    micro-batch (so neither needs the other's result on this rank) and what
-    lies between them is ``X``'s sends and receives ``Y`` does not consume: the program becomes ``X, Y`` and then
-    those posts -- each rank's sequence of p2p operations is unchanged (so is every pair's, on both ends), only
-    those posts wait until ``Y`` computed, and ``Y``'s receives were all posted before ``X``. The runner then runs ``X`` and ``Y`` at the same time (the F
-    on the pair worker). ``firsts[r]``: the ``X`` of every pair of rank ``r`` (its ``Y`` is the next compute).
+    micro-batch (so neither needs the other's result on this rank) and what lies between them is ``X``'s sends
+    and receives ``Y`` does not consume (``X``'s *trailing posts*): the program becomes ``X, Y`` and then those
+    posts -- each rank's sequence of p2p operations is unchanged (so is every pair's, on both ends), and ``Y``'s
+    receives were all posted before ``X``. The runner runs ``X`` and ``Y`` at the same time (the F on the pair
+    worker) and posts ``X``'s trailing posts as soon as ``X`` computed, from ``X``'s thread, while ``Y`` may
+    still run (PipelineRunner.run_pair): still all before ``Y``'s posts, so the order is the program's.
+    ``firsts[r]``: ``{X: number of X's trailing posts}`` for every pair of rank ``r`` (its ``Y`` is the next
+    compute, the trailing posts are the instructions right after ``Y``).
     The paired programs are checked (:func:`check_programs`, and :func:`run_programs` under ordered matching:
-    deadlock-free also when ``X``'s consumers are what ``Y`` waits for); a rank's pairs that fail are dropped
+    deadlock-free also when ``X``'s consumers are what ``Y`` waits for: the check runs ``X``'s posts after ``Y``,
+    the latest the runner may post them); a rank's pairs that fail are dropped
     from the first one on until they pass (every rank computes the same programs, so every rank agrees)."""
-    def paired(r: int, prog: list[Instr], limit: int) -> tuple[list[Instr], set[Action]]:
+    def paired(r: int, prog: list[Instr], limit: int) -> tuple[list[Instr], dict[Action, int]]:
         out: list[Instr] = []
-        firsts: set[Action] = set()
+        firsts: dict[Action, int] = {}
         i = 0
         while i < len(prog):
             ins = prog[i]
@@ -329,7 +334,7 @@ def pair_programs(programs: list[list[Instr]], pp: int, vpp: int) -> tuple[list[
                     and not {p.msg for p in prog[i + 1:j] if p.op == "recv"} & set(deps_of(prog[j].action, r,
                                                                                               pp, vpp))):
                 out += [ins, prog[j]] + prog[i + 1:j]
-                firsts.add(ins.action)
+                firsts[ins.action] = j - i - 1
                 i = j + 1
                 continue
             out.append(ins)

@@ -292,7 +292,8 @@ class PipelineRunner(StepRunner):
                                 placement=self.placement)
         self.embd_group = dims.group("embd") if self.shared_embedding else None
         self._programs: dict[tuple[int, bool, bool, bool], tuple[list[Action], list[Instr], float]] = {}
-        self._pair_firsts: dict[tuple[int, bool, bool, bool], set[Action]] = {}  # the first compute of each pair
+        # the first compute of each pair -> the number of its trailing posts (p2p_programs.pair_programs)
+        self._pair_firsts: dict[tuple[int, bool, bool, bool], dict[Action, int]] = {}
         self.device = next(self.model.parameters()).device
         self._forward_only = False  # set per step by begin_step
 
@@ -387,14 +388,15 @@ class PipelineRunner(StepRunner):
         default group between this pipeline's ranks; an all-reduce over ``embd`` when the MTP shares the
         embedding. Returns this rank's stats (loss sums are non-zero on the last stage only) and p2p bytes."""
         program = self.begin_step(micro_batches, norm)
-        firsts = self._pair_firsts.get((len(micro_batches), False, self.post_ahead, True), set())
+        firsts = self._pair_firsts.get((len(micro_batches), False, self.post_ahead, True), {})
         i = 0
         while i < len(program):
             ins = program[i]
             if (ins.op == "compute" and ins.action in firsts and i + 1 < len(program)
                     and program[i + 1].op == "compute"):
-                self.run_pair(ins.action, program[i + 1].action)
-                i += 2
+                n = firsts[ins.action]  # x's trailing posts: right after y in the paired program
+                self.run_pair(ins.action, program[i + 1].action, program[i + 2:i + 2 + n])
+                i += 2 + n
             else:
                 self.run_instr(ins)
                 i += 1
@@ -478,10 +480,17 @@ class PipelineRunner(StepRunner):
             if chunk is not None:
                 self._hook(list(self.chunk_params[chunk]))
 
-    def run_pair(self, x: Action, y: Action) -> None:
+    def run_pair(self, x: Action, y: Action, x_posts: list[Instr] = ()) -> None:
         """Run the adjacent computes ``x`` then ``y`` of the program as one paired action (:attr:`pair`): the F on
-        the pair worker (side 1), the B here (side 0); sends and hooks as after ``x`` then ``y``."""
+        the pair worker (side 1), the B here (side 0); hooks as after ``x`` then ``y``. ``x_posts``: ``x``'s
+        trailing sends / receives (p2p_programs.pair_programs), posted by ``x``'s thread as soon as ``x``
+        computed, while ``y`` may still run -- so the stage that waits for ``x``'s output does not wait for
+        ``y`` too. They are the only posts during the pair (``y``'s come after it, from this thread), so this
+        rank's sequence of p2p posts is the program's, whichever side ends first (P2PTransport is locked)."""
         from k3train.fault_injection import raise_point
+
+        if any(ins.op == "compute" for ins in x_posts):
+            raise RuntimeError(f"run_pair: x's trailing posts hold a compute: {x_posts}")
 
         for _ in (x, y):  # the send-completion rule of two computes (p2p_programs.py), before both start
             self.p2p.complete_sends(self.p2p.generation - 1)
@@ -494,10 +503,16 @@ class PipelineRunner(StepRunner):
         def forward() -> None:
             raise_point("pair_forward", f.mb)
             self._forward(f)
+            if f is x:
+                for ins in x_posts:
+                    self.run_instr(ins)
 
         def backward() -> None:
             raise_point("pair_backward", b.mb)
             self._backward(b)
+            if b is x:
+                for ins in x_posts:
+                    self.run_instr(ins)
 
         self.pair.run(forward, backward, f"forward of micro-batch {f.mb} (virtual stage {vf})",
                       f"backward of micro-batch {b.mb} (virtual stage {vb})")

@@ -98,13 +98,37 @@ PP_EP = ["--parallel.pp=2", "--parallel.vpp=2", "--parallel.ep=2", "--parallel.z
 def _pp_body(rank: int, world: int, out: str) -> None:
     from collective_trace import assert_collectives_match, trace_collectives
 
+    import threading
+
+    from parallel.pipeline.p2p import P2PTransport
+
     _, off_steps, off_params, off_state = _run(Path(out) / "pp_off", [], False, world=world, ep=PP_EP)
-    with trace_collectives() as trace:
-        tr, on_steps, on_params, on_state = _run(Path(out) / "pp_on", [], True, keep=True, world=world, ep=PP_EP)
+    posted, send = [], P2PTransport.send  # (message, posting thread) of every send
+
+    def traced_send(self, msg, *args, **kw):  # noqa: ANN001, ANN202
+        posted.append((msg, threading.current_thread().name))
+        return send(self, msg, *args, **kw)
+
+    P2PTransport.send = traced_send
+    try:
+        with trace_collectives() as trace:
+            tr, on_steps, on_params, on_state = _run(Path(out) / "pp_on", [], True, keep=True, world=world,
+                                                     ep=PP_EP)
+    finally:
+        P2PTransport.send = send
     everyone = assert_collectives_match(trace)
     assert any(e.desc == "ep_pair" for e in everyone[rank]), "no collective on the pair side"
-    firsts = tr.pm.runner._pair_firsts
+    runner = tr.pm.runner
+    firsts = runner._pair_firsts
     assert firsts and all(len(f) >= 2 for f in firsts.values()), firsts  # steady-state pairs on every rank
+    # a pair's first compute posts its trailing sends from its own thread, as soon as it is done: those of a
+    # paired forward from the pair worker (the stage waiting for that output does not wait for the backward)
+    (key, fi), = firsts.items()
+    prog = runner._programs[key][1]
+    expect = {p.msg for i, ins in enumerate(prog) if ins.op == "compute" and ins.action.kind == "F"
+              and ins.action in fi for p in prog[i + 2:i + 2 + fi[ins.action]] if p.op == "send"}
+    assert {m for m, th in posted if th == "k3train-pair-worker"} == expect
+    assert expect or runner.pp_rank == 1, "pipeline rank 0 pairs F first (interleaved pp 2 x vpp 2)"
     for s, ((l0, n0, g0), (l1, n1, g1)) in enumerate(zip(off_steps, on_steps)):
         assert (l0, n0) == (l1, n1), f"pp step {s + 1}: loss/grad norm {(l0, n0)} vs {(l1, n1)}"
         _same(g0, g1, f"pp step {s + 1} gradient")

@@ -60,3 +60,29 @@ def test_known_data_keeps_indices_real_and_routing_balanced():
     assert int(change) == 2
     idx = balanced_topk_indices(5, 3, 7, torch.device("cpu"))
     assert all(len(set(r)) == 3 for r in idx.tolist())
+
+
+def test_another_thread_is_booked_inside_on_this_thread():
+    """The mode is thread-local (F/B pairing's worker thread allocates outside it): ``on_this_thread`` books what
+    another thread creates, in the same counts (k3train.planning.measure wraps the pair worker with it)."""
+    import threading
+
+    lb = LiveBytes()
+    held: dict[str, torch.Tensor] = {}
+
+    def work(key: str, booked: bool) -> None:
+        if booked:
+            with lb.on_this_thread():
+                held[key] = torch.ones(1000, dtype=torch.float32)
+        else:
+            held[key] = torch.ones(1000, dtype=torch.float32)
+
+    with lb:
+        base = lb.live
+        for key, booked in (("outside", False), ("inside", True)):
+            th = threading.Thread(target=work, args=(key, booked))
+            th.start()
+            th.join()
+        assert lb.live - base == 4000  # the booked thread's tensor only
+        del held["inside"]
+        assert lb.live == base and lb.peak >= base + 4000

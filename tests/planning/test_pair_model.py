@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from k3train.planning.step_time import pair_seconds
+from k3train.planning.step_time import ActionCosts, pair_seconds, pair_side_ends, simulate_programs
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -29,6 +29,33 @@ def test_pair_of_phases():
     assert max(sum(x for _, x in f), sum(x for _, x in b), 1.7) <= t <= sum(x for _, x in f + b)
     # compute at half speed doubles compute phases only
     assert pair_seconds([("c", 1.0), ("n", 1.0)], [], rate=0.5) == pytest.approx(3.0)
+    # each side's end: F's 1 s of compute shares the unit with B's (2 s), then B runs alone
+    assert pair_side_ends([("c", 1.0)], [("c", 3.0)]) == pytest.approx((2.0, 4.0))
+
+
+def test_pair_first_compute_sends_when_its_side_ends():
+    """The interleaved pp = 2 x vpp = 2 programs, paired: a pair's first compute posts its trailing sends as soon
+    as its side is done (the runner's run_pair), not after the whole pair -- the pipeline ends earlier than when
+    they wait for the pair's end (the same programs with every first compute's trailing-post count set to 0:
+    the posts then leave after the pair, as they are placed in the paired program), and never later."""
+    from parallel.pipeline.p2p import build_programs
+    from parallel.pipeline.p2p_programs import pair_programs
+    from parallel.pipeline.schedules import build_schedule
+
+    pp, vpp, m = 2, 2, 8
+    programs, firsts = pair_programs(build_programs(build_schedule("interleaved", pp, vpp, m), pp, vpp), pp, vpp)
+    assert any(n > 0 for f in firsts for n in f.values())
+    n_st = pp * vpp
+    costs = ActionCosts(f=[1.0] * n_st, b=[2.0] * n_st, f_comm=[0.5] * n_st, b_comm=[1.0] * n_st,
+                        msg_s={v: (0.01, 0.05) for v in range(n_st)})
+    f_ph = [[("c", 0.5), ("n", 0.5), ("c", 0.5)]] * n_st
+    b_ph = [[("c", 1.0), ("n", 1.0), ("c", 1.0)]] * n_st
+    early = simulate_programs(programs, pp, vpp, costs, 1, None, (firsts, f_ph, b_ph))
+    late = simulate_programs(programs, pp, vpp, costs, 1, None, ([dict.fromkeys(f, 0) for f in firsts], f_ph, b_ph))
+    assert early.makespan < late.makespan - 0.1, (early.makespan, late.makespan)
+    # the same work either way: each rank computes as long (a pair's two segments add up to the pair)
+    for a, b in zip(early.busy_compute, late.busy_compute):
+        assert a == pytest.approx(b)
 
 
 def _predict(pins: list[str]):  # noqa: ANN202
@@ -65,7 +92,7 @@ def test_pairing_hides_expert_all_to_all_in_the_prediction(pins):
         assert on.step_s < off.step_s
         # what is hidden is at most the in-action communication of the paired actions
         assert off.step_s - on.step_s <= off.detail["in_action_comm_s"] + 1e-12
-    else:  # a pair's first compute sends its output only once the second one is done: the next stage waits
+    else:  # the second compute of a pair shares the rank: its output leaves later, the next stage waits more
         assert on.bubble > off.bubble
     for p in (on, off):
         assert sum(p.detail["exposed_by_kind"].values()) == pytest.approx(p.exposed_comm, rel=1e-9)
