@@ -363,10 +363,12 @@ def test_best_first_ranks_what_tracing_everything_ranks():
     assert traced[0] == f"{min(r.pred.step_s for r in got.rows if r.pred is not None):.4g}"  # the fastest first
 
 
-def test_static_bound_counts_the_traced_ffn_bytes(monkeypatch):
-    """Under sublayer recomputation the static memory bound counts what each FFN sublayer's traced piece keeps
-    (``memory.ffn_saved_bytes``: the pieces the estimator composes, the same for every cp) instead of one hidden
-    state: a stronger bound that stays below the estimated peak (tiny over cp=2, composed per piece as K3 is)."""
+@pytest.mark.parametrize("recompute", [True, False])
+def test_static_bound_counts_the_traced_ffn_bytes(monkeypatch, recompute):
+    """Under sublayer recomputation (or none) the static memory bound counts what each FFN sublayer's traced piece
+    keeps (``memory.ffn_saved_bytes``: under sublayer recomputation the pieces the estimator composes; the same for
+    every cp) instead of one (two) hidden states: a stronger bound that stays below the estimated peak (tiny over
+    cp=2, composed per piece as K3 is)."""
     from k3train.config import load_config
     from k3train.planning import memory
     from k3train.planning.layouts import Validator, canonical
@@ -374,7 +376,8 @@ def test_static_bound_counts_the_traced_ffn_bytes(monkeypatch):
     from k3train.planning.step_time import ParamFacts, forwards_before_first_backward, static_memory_lower_bound
 
     monkeypatch.setattr(memory, "TRACE_BUDGET", 0)  # compose per piece (what 1M-token K3 micro-batches take)
-    cfg = load_config(TINY, ["--parallel.recompute=true", "--parallel.recompute_granularity=sublayer",
+    cfg = load_config(TINY, [f"--parallel.recompute={str(recompute).lower()}",
+                             "--parallel.recompute_granularity=sublayer",
                              "--parallel.cp=2", "--parallel.dp=1", "--train.micro_batch_size=1",
                              "--train.seq_len=16384", "--model.max_position_embeddings=16384"], world_size=2)
     L, T = canonical(cfg), 8192
@@ -383,7 +386,8 @@ def test_static_bound_counts_the_traced_ffn_bytes(monkeypatch):
     h = T * cfg.model.hidden_size * 4  # fp32
     assert set(ffn) == {False, True} and all(v >= h for v in ffn.values()), (ffn, h)
     part = Validator(cfg, 2).partition(cfg)
-    args = (ParamFacts.build(cfg), cfg, part, L.pp, L.dp * L.cp, L.ep, L.zero, L.moonep, T, "sublayer",
+    args = (ParamFacts.build(cfg), cfg, part, L.pp, L.dp * L.cp, L.ep, L.zero, L.moonep, T,
+            "sublayer" if recompute else None,
             forwards_before_first_backward("none", 1, 1, cfg.train.grad_accum_steps))
     old, new = static_memory_lower_bound(*args), static_memory_lower_bound(*args, ffn_saved=ffn)
     peak = max(r.peak for r in memory.estimate(cfg, 2, cache).ranks)  # reuses the FFN fits just traced
