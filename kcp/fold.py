@@ -99,12 +99,31 @@ class FoldPlan:
     any_chain: bool
 
 
+def _all_chains(docs: SegmentDocs) -> list[list[list[int]]]:
+    """``[rank][row]``: :func:`chain_ranks` of every rank and row, on Python lists (one ``tolist`` per field
+    instead of a tensor read per step: the walk is O(cp^2) per row, and every CP rank plans every rank's chain)."""
+    first, last, inner = docs.first.tolist(), docs.last.tolist(), docs.inner_start.tolist()
+    out = []
+    for rank in range(docs.cp):
+        per_row = []
+        for row in range(docs.rows):
+            doc, chain, j = first[rank][row], [], rank - 1
+            while j >= 0 and last[j][row] == doc:
+                chain.append(j)
+                if inner[j][row]:
+                    break
+                j -= 1
+            per_row.append(chain[::-1])
+        out.append(per_row)
+    return out
+
+
 def plan_fold(docs: SegmentDocs, rank: int) -> FoldPlan:
     """Build ``rank``'s fold coefficients from every rank's segment document facts."""
     cp, B = docs.cp, docs.rows
     if not 0 <= rank < cp:
         raise ValueError(f"rank {rank} outside CP size {cp}")
-    chains = [[chain_ranks(docs, r, b) for b in range(B)] for r in range(cp)]
+    chains = _all_chains(docs)
     fwd_a = torch.zeros(cp, B)
     fwd_b = torch.zeros(cp, B)
     for b, chain in enumerate(chains[rank]):

@@ -578,6 +578,105 @@ def mla_key_segments(cfg: Config, cp_rank: int) -> int:
     return cp_rank + 1
 
 
+def piece_layers(cfg: Config) -> dict[tuple, int]:
+    """The layer traced for each composed piece: the deepest layer of each signature (:func:`layer_signature`)
+    and, under sublayer recomputation, of each token-mixer kind ``("mixer", kind)`` and FFN kind ``("ffn",
+    is_moe)`` (the most AttnRes sources: the most bytes)."""
+    reps: dict[tuple, int] = {}
+    for i in range(cfg.model.num_hidden_layers):
+        sig = layer_signature(cfg, i)
+        reps[sig] = reps[("mixer", sig[0])] = reps[("ffn", sig[1])] = i
+    return reps
+
+
+def ffn_saved_bytes(cfg: Config, model: nn.Module, fake: FakeTensorMode, cache: dict, B: int, T: int,
+                    deadline: float | None = None) -> dict[bool, int]:
+    """``{is_moe: bytes}``: what one micro-batch's FFN sublayer keeps from its forward to its backward, dense and
+    MoE, under ``cfg``'s recompute setting -- under sublayer recomputation the very pieces (same fits, same
+    ``cache`` entries) that :func:`trace_chunk` composes for every layer of a chunk at ``B x T`` tokens when it
+    does not trace it whole; without recomputation the FFN ops of each layer piece, traced alone. They do not
+    depend on cp (:func:`piece_depends_on_cp`), which makes them a lower-bound term the planner computes once for
+    every layout (``step_time.static_memory_lower_bound``)."""
+    reps = piece_layers(cfg)
+    moe_chunk = cfg.model.moe_token_chunk if cfg.model.num_experts > 0 else 0
+    out = {}
+    for moe in sorted({k[1] for k in reps if k[0] == "ffn"}):
+        i = reps[("ffn", moe)]
+        out[moe] = trace_piece(cfg, model, fake, cache, ("ffn", moe), i, i + 1, False, False, "ffn",
+                               (moe_chunk,) if moe else (), B=B, T=T, deadline=deadline)[0]
+    return out
+
+
+def piece_depends_on_cp(cfg: Config, key: tuple, media: MediaCase | None) -> bool:
+    """Whether a composed piece's bytes depend on the CP size (and so are traced, and cached, per cp): a token
+    mixer (KDA: the KCP pairs of the whole group are gathered and folded; MLA: its keys are the CP rank's key
+    segments) and the head (the MTP layer's MLA) do; an FFN does not -- ``K3Layer.run_ffn`` takes no sequence
+    layout, so under CP it runs the same ops on the same ``[B, T, d]`` state -- nor does the embedding, unless a
+    vision model's first stage encodes media (their placement is per row of ``cp x T`` tokens)."""
+    if key[0] == "ffn":
+        return False
+    if key == ("embed",):
+        return bool(cfg.vision.enabled) and (media or MediaCase()).resolved(cfg).source != "none"
+    return True
+
+
+def trace_piece(cfg: Config, model: nn.Module, fake: FakeTensorMode, cache: dict, key: tuple, a: int, b: int,
+                fst: bool, lst: bool, sub: str | None = None, chunks: tuple[int, ...] = (), kind: str = "", *,
+                B: int, T: int, cp_rank: int = 0, media: MediaCase | None = None,
+                deadline: float | None = None) -> tuple[int, int, int]:
+    """``(saved, f_peak, b_peak)`` of one composed piece (layers ``[a, b)``, or sublayer ``sub`` of layer ``a``;
+    see :func:`trace_range`) for a micro-batch of ``B`` rows of ``T`` tokens on CP rank ``cp_rank``: each byte count
+    fitted exactly through traces at :func:`piece_tokens`' token counts and evaluated at ``B x T``; ``cache``
+    holds the fits by what the traces depend on (:func:`trace_chunk`'s module comment above)."""
+    from parallel.pipeline.stage import recompute_unit
+
+    recompute = cfg.parallel.recompute
+    unit = recompute_unit(cfg, recompute)
+    chunk_rc = recompute and unit is None  # the whole chunk one region: pieces traced without recomputation
+    C = cfg.parallel.cp if piece_depends_on_cp(cfg, key, media) else 1
+    # the fits depend on the rows, the CP size and balance (pieces that read the sequence layout), the dtype, the
+    # recompute unit, the token counts traced; the encoder's on the media and block recompute. Not on ep, up to the
+    # per-expert bookkeeping (tens of bytes per local expert and layer): every N*k route row is computed on the
+    # rank's shard (``_ShardDispatcher``) and expert weight gradients accumulate into the pre-set ``.grad`` (counted
+    # from the parameters), so one trace serves every ep (tests/planning/test_memory_compose.py)
+    mla = kind == "mla"  # its traces on short documents, at CP ranks 0 and 1 (its keys depend on the rank)
+    bk = cfg.model.mla_block_size
+    base = (KDA_COMPOSE_TOKENS if kind == "kda" else (bk * B, 2 * bk * B, 4 * bk * B) if mla
+            else COMPOSE_TOKENS)
+    pts = piece_tokens(B * T, list(chunks), base)
+    ck = key + (B, C, cfg.train.dtype, cfg.parallel.mla_cp_balance if C > 1 else None,
+                None if chunk_rc else unit, pts) + ((media, cfg.parallel.recompute) if key == ("embed",) else ())
+    if ck not in cache:
+        fits = []
+
+        def traced(r: int, t: int) -> tuple[int, int, int]:
+            _check_deadline(deadline)
+            dl = bk if mla and (t // B) % bk == 0 else 0
+            row = [trace_batch(cfg, B, t // B, rr, dl)[0] for rr in range(C)]  # synthetic CP rows
+            return trace_range(cfg, model, a, b, fst, lst, row[r], fake, recompute and not chunk_rc,
+                               r if C > 1 else None, row, media, sub)
+
+        ys = [traced(0, t) for t in pts]
+        fits.append([_quadratic_fit(pts, [y[k] for y in ys]) for k in range(3)])
+        # only the MLA's keys depend on the CP rank (the KCP pairs are the whole group's on every rank); what a key
+        # segment more holds (the latents, their ids, the latent gradient) is proportional to the tokens: the
+        # rank-1 difference is taken at the smallest token count and scaled
+        if C > 1 and mla:
+            y1 = traced(1, pts[0])
+            fits.append([(f[0], f[1] + (y1[k] - ys[0][k]) / pts[0], f[2]) for k, f in enumerate(fits[0])])
+        cache[ck] = fits
+    fits = cache[ck]
+    vals = [_poly(f, B * T) for f in fits[0]]
+    if len(fits) > 1:
+        nk = [mla_key_segments(cfg, r) for r in range(min(C, 2))]
+        if nk[1] != nk[0]:
+            w = (mla_key_segments(cfg, cp_rank) - nk[0]) / (nk[1] - nk[0])
+            vals = [y0 + w * (_poly(f1, B * T) - y0) for y0, f1 in zip(vals, fits[1])]
+        else:  # cp = 2 balanced: both ranks attend over both segments
+            vals = [max(y0, _poly(f1, B * T)) for y0, f1 in zip(vals, fits[1])]
+    return tuple(max(0, int(round(y))) for y in vals)
+
+
 def trace_chunk(cfg: Config, model: nn.Module, part: Any, plan: Any, v: int, chunk: int, batch: Any,
                 fake: FakeTensorMode, cache: dict | None = None, batch_hi: Any = None,
                 cp_rank: int = 0, rows: tuple[Any, Any] = (None, None),
@@ -603,7 +702,6 @@ def trace_chunk(cfg: Config, model: nn.Module, part: Any, plan: Any, v: int, chu
     B, T = batch.tokens.shape
     recompute = cfg.parallel.recompute
     hi = None
-    C = cfg.parallel.cp
     if whole_traces(cfg, B, T):
         _check_deadline(deadline)
         saved, f_peak, b_peak = trace_range(cfg, model, s, e, first, last, batch, fake, recompute, cp_rank, rows[0],
@@ -616,54 +714,12 @@ def trace_chunk(cfg: Config, model: nn.Module, part: Any, plan: Any, v: int, chu
         unit = recompute_unit(cfg, recompute)
         chunk_rc = recompute and unit is None  # the whole chunk one region: pieces traced without recomputation
         moe_chunk = cfg.model.moe_token_chunk if cfg.model.num_experts > 0 else 0
-        reps: dict[tuple, int] = {}
-        for i in range(L):  # the deepest layer of each signature / sublayer class (most AttnRes sources)
-            sig = layer_signature(cfg, i)
-            reps[sig] = reps[("mixer", sig[0])] = reps[("ffn", sig[1])] = i
-        nk = [mla_key_segments(cfg, r) for r in range(min(C, 2))]
+        reps = piece_layers(cfg)
 
         def piece(key: tuple, a: int, b: int, fst: bool, lst: bool, sub: str | None = None,
                   chunks: tuple[int, ...] = (), kind: str = "") -> tuple[int, int, int]:
-            # the fits depend on the rows, the CP size and balance, the dtype, the recompute unit, the token counts
-            # traced; the encoder's on the media and block recompute. Not on ep, up to the per-expert bookkeeping
-            # (tens of bytes per local expert and layer): every N*k route row is computed on the rank's shard
-            # (``_ShardDispatcher``) and expert weight gradients accumulate into the pre-set ``.grad`` (counted
-            # from the parameters), so one trace serves every ep (tests/planning/test_memory_compose.py)
-            mla = kind == "mla"  # its traces on short documents, at CP ranks 0 and 1 (its keys depend on the rank)
-            bk = cfg.model.mla_block_size
-            base = (KDA_COMPOSE_TOKENS if kind == "kda" else (bk * B, 2 * bk * B, 4 * bk * B) if mla
-                    else COMPOSE_TOKENS)
-            pts = piece_tokens(B * T, list(chunks), base)
-            ck = key + (B, C, cfg.train.dtype, cfg.parallel.mla_cp_balance, None if chunk_rc else unit, pts) + (
-                (media, cfg.parallel.recompute) if key == ("embed",) else ())
-            if ck not in cache:
-                fits = []
-
-                def traced(r: int, t: int) -> tuple[int, int, int]:
-                    _check_deadline(deadline)
-                    dl = cfg.model.mla_block_size if mla and (t // B) % cfg.model.mla_block_size == 0 else 0
-                    row = [trace_batch(cfg, B, t // B, rr, dl)[0] for rr in range(C)]  # synthetic CP rows
-                    return trace_range(cfg, model, a, b, fst, lst, row[r], fake, recompute and not chunk_rc,
-                                       r if C > 1 else None, row, media, sub)
-
-                ys = [traced(0, t) for t in pts]
-                fits.append([_quadratic_fit(pts, [y[k] for y in ys]) for k in range(3)])
-                # only the MLA's keys depend on the CP rank (the KCP pairs are the whole group's on every rank); what
-                # a key segment more holds (the latents, their ids, the latent gradient) is proportional to the
-                # tokens: the rank-1 difference is taken at the smallest token count and scaled
-                if C > 1 and mla:
-                    y1 = traced(1, pts[0])
-                    fits.append([(f[0], f[1] + (y1[k] - ys[0][k]) / pts[0], f[2]) for k, f in enumerate(fits[0])])
-                cache[ck] = fits
-            fits = cache[ck]
-            vals = [_poly(f, B * T) for f in fits[0]]
-            if len(fits) > 1:
-                if nk[1] != nk[0]:
-                    w = (mla_key_segments(cfg, cp_rank) - nk[0]) / (nk[1] - nk[0])
-                    vals = [y0 + w * (_poly(f1, B * T) - y0) for y0, f1 in zip(vals, fits[1])]
-                else:  # cp = 2 balanced: both ranks attend over both segments
-                    vals = [max(y0, _poly(f1, B * T)) for y0, f1 in zip(vals, fits[1])]
-            return tuple(max(0, int(round(y))) for y in vals)
+            return trace_piece(cfg, model, fake, cache, key, a, b, fst, lst, sub, chunks, kind, B=B, T=T,
+                               cp_rank=cp_rank, media=media, deadline=deadline)
 
         pieces: list[tuple[int, int, int]] = []
 

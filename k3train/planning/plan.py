@@ -5,11 +5,14 @@ Order of work (cheapest first, every skip exact):
 1. :func:`k3train.planning.layouts.enumerate_layouts` -- every layout the run validation accepts.
 2. Static memory bound (:func:`step_time.static_memory_lower_bound`: weights + gradients + optimizer state, or
    weights + optimizer state + the hidden-state partial sums of each forward the schedule runs before a rank's
-   first backward)
+   first backward; with one row per micro-batch composed per piece and sublayer or no recomputation, each FFN
+   counts its traced piece's bytes instead, :func:`memory.ffn_saved_bytes`, traced once for every cp)
    above the device memory: infeasible, no trace (``fits: false, skipped: 'bound'``).
-3. Step-time lower bound (:func:`step_time.compute_lower_bound`) for the rest; layouts are taken in its order and
-   simulated (:func:`step_time.predict`) -- branch and bound: once ``top`` layouts that FIT are known, a layout
-   whose lower bound is not below the ``top``-th of them cannot enter the ranking and is not simulated
+3. Step-time lower bound (:func:`step_time.compute_lower_bound`) for the rest; best first: a layout enters a
+   queue at its lower bound, is simulated (:func:`step_time.predict`) when it reaches the front and re-enters at
+   its prediction, so layouts are traced (4.) in predicted order, each only when no layout not yet traced can be
+   predicted faster -- branch and bound: once ``top`` layouts that FIT are known, a layout whose lower bound (or
+   prediction) is not below the ``top``-th of them cannot enter the ranking and is not simulated / traced
    (``skipped: 'slower'``). A recompute layout is dominated by its twin without recomputation when that one fits
    (same everything, strictly more compute): skipped (``skipped: 'dominated'``).
 4. Memory: :func:`k3train.planning.memory.estimate` (the real code on fake tensors) for each simulated layout that
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import math
 import time
+import heapq
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -172,19 +176,26 @@ class Planner:
         # 2. static memory bound
         bound_memo: dict[tuple, int] = {}  # the bound reads the partition, dp*cp, ep, zero, moonep, tokens, schedule
         flight_memo: dict[tuple, list[list[int]]] = {}
+        ffn_memo: dict[tuple, dict[bool, int] | None] = {}  # (row tokens, recompute) -> memory.ffn_saved_bytes
         for r in rows:
             part = val.partition(r.cfg)
             L = r.layout
             tokens = L.mbs * r.cfg.train.seq_len // L.cp
             rc = r.cfg.parallel.recompute_granularity if L.recompute else None
             n_mb = r.cfg.train.global_batch_size // (L.dp * L.mbs)
-            kb = (id(part), L.pp, L.dp * L.cp, L.ep, L.zero, L.moonep, tokens, rc, L.schedule, n_mb)
+            kb = (id(part), L.pp, L.dp * L.cp, L.ep, L.zero, L.moonep, tokens, L.mbs, rc, L.schedule, n_mb)
             if kb not in bound_memo:
                 sk = (L.schedule, L.pp, L.vpp, n_mb)
                 if sk not in flight_memo:
                     flight_memo[sk] = forwards_before_first_backward(*sk)
-                bound_memo[kb] = static_memory_lower_bound(facts, r.cfg, part, L.pp, L.dp * L.cp, L.ep, L.zero,
-                                                           L.moonep, tokens, rc, flight_memo[sk])
+                args = (facts, r.cfg, part, L.pp, L.dp * L.cp, L.ep, L.zero, L.moonep, tokens, rc, flight_memo[sk])
+                bound_memo[kb] = static_memory_lower_bound(*args)
+                if bound_memo[kb] <= self.dev.hbm_bytes and rc in ("sublayer", None) and L.mbs == 1:
+                    # within the bound on one hidden state per FFN: count the FFN's traced bytes (once per row
+                    # length, every cp alike; one row per micro-batch: the traces are per micro-batch shape)
+                    ffn = self._ffn_saved(r, ffn_memo, t_end)
+                    if ffn is not None:
+                        bound_memo[kb] = static_memory_lower_bound(*args, ffn_saved=ffn)
             r.mem_bound = bound_memo[kb]
             if r.mem_bound > self.dev.hbm_bytes:
                 r.fits, r.skipped = False, "bound"
@@ -192,7 +203,13 @@ class Planner:
         if n_bound:
             notes.append(f"{n_bound} layouts exceed {self.dev.hbm_bytes / 2**30:.1f} GiB on weights + gradients + "
                          f"optimizer state, or weights + optimizer state + the partial sums of each forward before "
-                         f"the first backward, alone: dropped without a trace")
+                         f"the first backward (under sublayer recomputation: what each FFN sublayer's traced piece "
+                         f"keeps), alone: dropped without a trace")
+        if ffn_memo:
+            self.log("FFN bytes kept per micro-batch row (traced once for every cp; GiB, dense / MoE): " + "; ".join(
+                f"{b} x {t} tokens{', recompute' if rc else ''}: "
+                + ("budget spent" if v is None else " / ".join(f"{v[k] / 2**30:.2f}" for k in sorted(v)))
+                for (b, t, rc), v in sorted(ffn_memo.items())))
         live = [r for r in rows if not r.skipped]
         for r in live:
             r.lower_bound_s = compute_lower_bound(r.cfg, r.layout, val.partition(r.cfg), self.dev, facts, self.lt,
@@ -213,42 +230,62 @@ class Planner:
             siblings.setdefault(_sibling_key(r.layout), []).append(r)
         seen: set[Layout] = set()
         urgent: deque[Row] = deque()  # neighbours of traced layouts (``_too_big_follow_ups``, siblings): next
+        # best first: a row enters at its step-time lower bound; when it reaches the front it is simulated and
+        # re-enters at its prediction (every bound is at most its prediction), so rows are TRACED in predicted
+        # order -- a row is traced only when no row not yet traced can be predicted faster -- and the trace budget
+        # goes to the fastest layouts first (in lower-bound order, a layout bounded low but predicted slow took
+        # a trace of minutes before faster ones)
+        heap = [(r.lower_bound_s, i, r) for i, r in enumerate(live)]  # ``live`` is sorted: already a heap
+        index = {r.layout: i for i, r in enumerate(live)}
 
-        def rows_in_order():  # noqa: ANN202
-            i = 0
-            while urgent or i < len(live):
-                if urgent:
-                    r = urgent.popleft()
-                else:
-                    r, i = live[i], i + 1
+        def next_row() -> tuple[Row | None, bool]:
+            while urgent or heap:
+                from_urgent = bool(urgent)
+                r = urgent.popleft() if from_urgent else heapq.heappop(heap)[2]
                 if r.layout not in seen:
-                    seen.add(r.layout)
-                    yield r
+                    return r, from_urgent
+            return None, False
 
-        for r in rows_in_order():
+        while True:
+            r, from_urgent = next_row()
+            if r is None:
+                break
             kth = sorted(fitting)[self.top - 1] if len(fitting) >= self.top else math.inf
-            if not self.exhaustive and r.lower_bound_s >= kth:
+            lay = r.layout
+            if not self.exhaustive and (r.pred.step_s if r.pred is not None else r.lower_bound_s) >= kth:
+                seen.add(lay)
                 r.skipped = "slower"
                 continue
-            lay = r.layout
             if not self.exhaustive and lay.recompute and _twin(lay) in fits_norc:
+                seen.add(lay)
                 r.skipped = "dominated"
                 continue
-            if not self.exhaustive and t_sim > self.sim_budget_s:
-                r.skipped = "simulation budget"
-                continue
-            if not self.exhaustive and time.perf_counter() > t_end:
-                r.skipped = "time budget"
-                continue
-            ts = time.perf_counter()
-            r.pred = predict(r.cfg, lay, val.partition(r.cfg), self.programs(lay, r.cfg.train.grad_accum_steps),
-                             self.dev, facts, self.lt, self.skew, opt_times)
-            t_sim += time.perf_counter() - ts
+            if r.pred is None:
+                if not self.exhaustive and t_sim > self.sim_budget_s:
+                    seen.add(lay)
+                    r.skipped = "simulation budget"
+                    continue
+                if not self.exhaustive and time.perf_counter() > t_end:
+                    seen.add(lay)
+                    r.skipped = "time budget"
+                    continue
+                ts = time.perf_counter()
+                r.pred = predict(r.cfg, lay, val.partition(r.cfg),
+                                 self.programs(lay, r.cfg.train.grad_accum_steps), self.dev, facts, self.lt,
+                                 self.skew, opt_times)
+                t_sim += time.perf_counter() - ts
+                if not self.exhaustive and not from_urgent:  # re-enters at its prediction
+                    heapq.heappush(heap, (r.pred.step_s, index[lay], r))
+                    continue
+            seen.add(lay)
             if not self.exhaustive and r.pred.step_s >= kth:
                 r.skipped = "slower"
                 continue
             if not self.exhaustive and t_mem > self.trace_budget_s:
                 r.skipped = "trace budget"
+                continue
+            if not self.exhaustive and time.perf_counter() > t_end:
+                r.skipped = "time budget"
                 continue
             ts = time.perf_counter()
             # the budget bounds the traces' time itself: one started near its end stops at it (a K3 trace can take
@@ -302,6 +339,28 @@ class Planner:
                      f"{sum(r.pred is not None for r in rows)} simulated in {t_sim:.1f} s")
         return PlanResult(rows=rows, world=self.world, device=self.dev, base_cfg=base, candidates=checked,
                           seconds=secs, notes=notes)
+
+    def _ffn_saved(self, r: Row, memo: dict[tuple, dict[bool, int] | None], t_end: float) -> dict[bool, int] | None:
+        """``memory.ffn_saved_bytes`` for ``r``'s micro-batch (``micro_batch_size`` rows of ``seq_len / cp``) under
+        its recompute setting when the estimator composes it per piece (else None: a whole trace has no pieces),
+        traced into the :class:`EstimateCache` (under sublayer recomputation the estimates reuse them); None as
+        well once the plan's time is spent."""
+        from k3train.planning.memory import TraceDeadline, ffn_saved_bytes, whole_traces
+
+        B, T = r.layout.mbs, r.cfg.train.seq_len // r.layout.cp
+        if whole_traces(r.cfg, B, T):
+            return None
+        key = (B, T, r.layout.recompute)
+        if key not in memo:
+            c = self.cache
+            full = next((m for (_, dt), m in c._full.items() if dt == r.cfg.train.dtype), None)
+            try:
+                if full is None:
+                    full = c.full_model(r.cfg, r.layout.ep, c.fake)
+                memo[key] = ffn_saved_bytes(r.cfg, full, c.fake, c.pieces, B, T, t_end)
+            except TraceDeadline:
+                memo[key] = None
+        return memo[key]
 
     @staticmethod
     def _too_big_follow_ups(r: Row, by_layout: dict[Layout, Row], seen: set[Layout], urgent: deque,

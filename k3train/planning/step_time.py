@@ -162,9 +162,37 @@ def forwards_before_first_backward(schedule: str, pp: int, vpp: int, num_microba
     return [interleaved_prefix(pp, vpp, r, M) for r in range(pp)]
 
 
+def _stage_terms(facts: ParamFacts, part: Any, ep: int) -> list[tuple[float, float, float, list]]:
+    """Per pipeline rank: ``(dense numel, expert numel on the rank, the largest local chunk's numel, the local
+    chunks' layer ranges)`` -- what :func:`static_memory_lower_bound` reads of the partition (memoised: the planner
+    bounds hundreds of thousands of layouts over a few hundred partitions)."""
+    key = ("stage_terms", id(facts), id(part), ep)
+    if key not in _MEMO:
+        terms = []
+        for r in range(part.pp):
+            d, e, _ = facts.stage_numel(part, r, ep)
+            chunk = max((facts.chunk_numel(part, v, ep) for v in part.local_stages(r)), default=0.0)
+            terms.append((d, e, chunk, [tuple(x) for x in part.local_chunks(r)]))
+        _MEMO[key] = (terms, facts, part)  # the objects kept alive: their ids stay theirs
+    return _MEMO[key][0]
+
+
+def _flight_counts(flight: list[int]) -> tuple[dict[int, int], int]:
+    """``({local chunk: forwards in flight}, chunk of the first backward)`` of one rank's
+    :func:`forwards_before_first_backward` list (memoised by the list object)."""
+    key = ("flight", id(flight))
+    if key not in _MEMO:
+        counts: dict[int, int] = {}
+        for c in flight[:-1]:
+            counts[c] = counts.get(c, 0) + 1
+        _MEMO[key] = ((counts, flight[-1]), flight)
+    return _MEMO[key][0]
+
+
 def static_memory_lower_bound(facts: ParamFacts, cfg: Any, part: Any, pp: int, dpcp: int, ep: int,
                               zero: int, moonep: bool = False, tokens: int = 0, recompute: str | None = None,
-                              in_flight: list[list[int]] | None = None) -> int:
+                              in_flight: list[list[int]] | None = None,
+                              ffn_saved: dict[bool, int] | None = None) -> int:
     """A lower bound on the worst rank's peak from parameters, gradients and optimizer state alone (the memory
     estimator's byte rules: parameter-dtype weights and gradients, fp32 master copies of non-fp32 weights, Muon 1
     / AdamW 2 fp32 states -- counted as Muon for all, a lower bound; owners' shares at least the mean). At ZeRO-2
@@ -183,7 +211,16 @@ def static_memory_lower_bound(facts: ParamFacts, cfg: Any, part: Any, pp: int, d
     (:func:`forwards_before_first_backward`): the forwards the schedule runs before a rank's first backward each
     keep theirs; without it one forward of every local chunk. With the weights and optimizer state (no gradients:
     those of the chunk may still be forming) that is a bound too, and at long context the one that rules layouts
-    out (a 1M row over few pipeline stages, or many micro-batches in flight)."""
+    out (a 1M row over few pipeline stages, or many micro-batches in flight).
+
+    ``ffn_saved`` (``recompute`` ``"sublayer"`` or None, a micro-batch the estimator composes per piece:
+    :func:`k3train.planning.memory.ffn_saved_bytes`, ``{is_moe: bytes}``, traced under the same recompute setting):
+    each FFN counts what its traced sublayer keeps -- under sublayer recomputation the very bytes the estimator
+    composes for it; without recomputation a part of its layer's (the same FFN ops on the same shapes, the mixer's
+    output their input) -- the same for every cp, instead of one or two hidden states; the token mixer counts one
+    (its partial sum)."""
+    from k3train.planning.memory import _layer_is_moe
+
     es = 2 if cfg.train.dtype == "bfloat16" else 4
     master = 4 if es != 4 else 0
     edp = max(1, dpcp // ep)
@@ -191,24 +228,27 @@ def static_memory_lower_bound(facts: ParamFacts, cfg: Any, part: Any, pp: int, d
     if moonep and ep > 1:
         pool = 2 * max((v[1] for v in facts.pieces.values()), default=0.0) / ep * es
     best = 0.0
-    for r in range(pp):
-        d, e, _ = facts.stage_numel(part, r, ep)
+    h = tokens * cfg.model.hidden_size * es
+    for r, (d, e, chunk, chunks) in enumerate(_stage_terms(facts, part, ep)):
         n = d + e
         if zero < 2:
             grads = n * es
         else:
-            chunk = max((facts.chunk_numel(part, v, ep) for v in part.local_stages(r)), default=0.0)
             grads = (d / dpcp + e / edp) * es + chunk * es * (1 - 1 / edp)  # the chunk's own shard counted once
         opt = n * (4 + master)
         if zero >= 1:
             opt = (d / dpcp + e / edp) * (4 + master)
-        spans = [e_ - s_ for s_, e_ in part.local_chunks(r)]
-        *fwd, first_b = in_flight[r] if in_flight is not None else [*range(len(spans)), len(spans) - 1]
-        if recompute == "chunk":
-            hidden = len(fwd) - 1 + 2 * spans[first_b]
+        if in_flight is not None:
+            fwd, first_b = _flight_counts(in_flight[r])
         else:
-            hidden = {"layer": 1, "sublayer": 2}.get(recompute, 4) * sum(spans[c] for c in fwd)
-        act = hidden * tokens * cfg.model.hidden_size * es
+            fwd, first_b = {c: 1 for c in range(len(chunks))}, len(chunks) - 1
+        if recompute == "chunk":
+            act = (sum(fwd.values()) - 1 + 2 * (chunks[first_b][1] - chunks[first_b][0])) * h
+        elif recompute in ("sublayer", None) and ffn_saved is not None:
+            act = sum(k * sum(h + ffn_saved[_layer_is_moe(cfg, i)] for i in range(*chunks[c])) for c, k in fwd.items())
+        else:
+            hidden = {"layer": 1, "sublayer": 2}.get(recompute, 4)
+            act = hidden * sum(k * (chunks[c][1] - chunks[c][0]) for c, k in fwd.items()) * h
         best = max(best, n * es + grads + opt + pool, n * es + opt + pool + act)
     return int(best)
 

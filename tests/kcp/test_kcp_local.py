@@ -7,7 +7,7 @@ from kcp_cases import LAYOUTS, T_FULL, doc_ids_from_lengths, kda_inputs
 
 from k3train.ops.kda import chunk_kda, kda_transition, naive_kda_transition, naive_recurrent_kda
 from kcp import KCPContext
-from kcp.fold import SegmentDocs, chain_ranks, fold_adjoint, fold_entry, fold_entry_reference, plan_fold
+from kcp.fold import SegmentDocs, _all_chains, chain_ranks, fold_adjoint, fold_entry, fold_entry_reference, plan_fold
 from kcp.pairs import LocalLayout, augmented_pass, flatten_tokens, trailing_pairs
 
 
@@ -24,6 +24,8 @@ def test_chain_ranks_by_hand() -> None:
     assert [chain_ranks(mixed, r, 0) for r in range(4)] == [[], [0], [0, 1], [0, 1, 2]]
     # row 1: [0,40) [40,57) [57,64): rank 2 starts inside doc 0, doc 1 starts inside rank 2
     assert [chain_ranks(mixed, r, 1) for r in range(4)] == [[], [0], [0, 1], [2]]
+    for d in (docs, one, mixed):  # plan_fold's list walk (every rank's chains at once) is the reference's
+        assert _all_chains(d) == [[chain_ranks(d, r, b) for b in range(d.rows)] for r in range(d.cp)]
 
 
 def test_local_layout() -> None:

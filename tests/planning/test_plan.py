@@ -319,3 +319,76 @@ def test_measured_set_is_the_fastest_by_prediction():
     picked = distinct_top(None, res, 3, lambda planner, r, res: pred(later[id(r)]))
     assert [r.pred.step_s for r in picked] == [0.415, 0.6, 0.61]
     assert picked[0] is best and all(r.pred is not None for r in loose)
+
+
+def _h100(**kw):  # noqa: ANN003, ANN202 - a published device: predictions without a calibration
+    from dataclasses import replace
+
+    from k3train.planning.devices import PUBLISHED
+
+    return replace(PUBLISHED["h100"], **kw)
+
+
+def test_best_first_ranks_what_tracing_everything_ranks():
+    """Branch and bound in predicted order (a row enters at its step-time lower bound, is simulated at the front
+    and re-enters at its prediction; traces go to the fastest predicted first) ranks the same top layouts as
+    simulating and tracing every layout, on a device where about half the layouts fit: every layout it leaves out
+    is bounded or predicted no faster than the top-th fitting one, dominated, or holds at least as much as one
+    traced too big -- and the rows it traced came off the queue in predicted order."""
+    import re
+
+    from k3train.planning.plan import EstimateCache, Planner
+
+    pins = ["--parallel.moonep=false", "--parallel.zero=1", "--parallel.ep=1", "--parallel.vpp=1",
+            "--parallel.recompute=false", "--parallel.pp=2"]  # 8 layouts: micro-batch sizes x 1f1b / afab
+    W, k = 2, 2
+    cache = EstimateCache()  # shared: the estimates of the exhaustive run are reused (the same bytes)
+    every = Planner(TINY, pins, W, _h100(), exhaustive=True, log=lambda *a: None, cache=cache).run()
+    peaks = sorted(r.peak_bytes for r in every.rows if r.peak_bytes is not None)
+    assert len(peaks) == len(every.rows) >= 8
+    dev = _h100(hbm_bytes=peaks[len(peaks) // 2])
+    want = Planner(TINY, pins, W, dev, exhaustive=True, log=lambda *a: None, cache=cache).run().ranked()[:k]
+    assert len(want) == k and 0 < sum(p <= dev.hbm_bytes for p in peaks) < len(peaks)
+    lines: list[str] = []
+    got = Planner(TINY, pins, W, dev, top=k, log=lines.append, cache=cache).run()
+    assert [(r.layout, r.pred.step_s) for r in got.ranked()[:k]] == [(r.layout, r.pred.step_s) for r in want]
+    kth = got.ranked()[k - 1].pred.step_s
+    for r in got.rows:
+        if r.peak_bytes is None:
+            assert r.skipped in ("slower", "dominated", "bound", "needs more memory than a layout traced too big"), r
+        if r.skipped == "slower":
+            assert (r.pred.step_s if r.pred is not None else r.lower_bound_s) >= kth, r
+    traced = [m.group(1) for x in lines if (m := re.search(r"predicted (\S+) s \[", x))]
+    assert 0 < len(traced) < len(every.rows)  # the search left layouts out
+    assert traced[0] == f"{min(r.pred.step_s for r in got.rows if r.pred is not None):.4g}"  # the fastest first
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+def test_static_bound_counts_the_traced_ffn_bytes(monkeypatch, recompute):
+    """Under sublayer recomputation (or none) the static memory bound counts what each FFN sublayer's traced piece
+    keeps (``memory.ffn_saved_bytes``: under sublayer recomputation the pieces the estimator composes; the same for
+    every cp) instead of one (two) hidden states: a stronger bound that stays below the estimated peak (tiny over
+    cp=2, composed per piece as K3 is)."""
+    from k3train.config import load_config
+    from k3train.planning import memory
+    from k3train.planning.layouts import Validator, canonical
+    from k3train.planning.plan import EstimateCache
+    from k3train.planning.step_time import ParamFacts, forwards_before_first_backward, static_memory_lower_bound
+
+    monkeypatch.setattr(memory, "TRACE_BUDGET", 0)  # compose per piece (what 1M-token K3 micro-batches take)
+    cfg = load_config(TINY, [f"--parallel.recompute={str(recompute).lower()}",
+                             "--parallel.recompute_granularity=sublayer",
+                             "--parallel.cp=2", "--parallel.dp=1", "--train.micro_batch_size=1",
+                             "--train.seq_len=16384", "--model.max_position_embeddings=16384"], world_size=2)
+    L, T = canonical(cfg), 8192
+    cache = EstimateCache()
+    ffn = memory.ffn_saved_bytes(cfg, cache.full_model(cfg, 1, cache.fake), cache.fake, cache.pieces, 1, T)
+    h = T * cfg.model.hidden_size * 4  # fp32
+    assert set(ffn) == {False, True} and all(v >= h for v in ffn.values()), (ffn, h)
+    part = Validator(cfg, 2).partition(cfg)
+    args = (ParamFacts.build(cfg), cfg, part, L.pp, L.dp * L.cp, L.ep, L.zero, L.moonep, T,
+            "sublayer" if recompute else None,
+            forwards_before_first_backward("none", 1, 1, cfg.train.grad_accum_steps))
+    old, new = static_memory_lower_bound(*args), static_memory_lower_bound(*args, ffn_saved=ffn)
+    peak = max(r.peak for r in memory.estimate(cfg, 2, cache).ranks)  # reuses the FFN fits just traced
+    assert old < new <= peak, (old, new, peak)
