@@ -35,6 +35,9 @@ DRAFT = ["--train.objective=eagle3", "--train.draft_feature_blocks=[1,2]", "--tr
 LAYOUTS = [("pp2", ["--parallel.pp=2"]), ("dp2", ["--parallel.dp=2"]),
            ("dp2_ep2_moonep", ["--parallel.dp=2", "--parallel.ep=2", "--parallel.moonep=true"])]
 PARAM_ATOL = 1e-5  # parameters: as test_pipeline_zero_parity.py (a wrong gradient moves them by O(lr))
+# after step 1 the QAT rounding-boundary effect below reaches the parameters too (measured on an AVX2 host: 1.4e-5
+# on 3 of 8192 expert weights at step 3); still far below one Muon update (RMS 0.2 * lr = 6e-4)
+PARAM_ATOL_LATER = 1e-4
 # gradients / optimizer state. Step 1 starts from identical parameters: element-wise within STEP1_SCALE_TOL of each
 # tensor's max |value| (fp32 summation order only). Later steps start from parameters that differ by fp32 noise, and
 # under QAT such noise can move an expert weight across an MXFP4 rounding boundary -- a whole quantization step for
@@ -175,7 +178,8 @@ def _layout_body(rank: int, world: int, ref_path: str, target: str, out: str) ->
                 assert math.isclose(rec["grad_norm"], want["grad_norm"], rel_tol=1e-5), (name, step)
                 ep = tr.dims.ep_rank
                 params = {n: p.detach() for n, p in tr.pm.model.named_parameters()}
-                assert_close_all(params, _local(params, ref["params"], ep), PARAM_ATOL, 1e-5,
+                assert_close_all(params, _local(params, ref["params"], ep), PARAM_ATOL if step == 0 else
+                                 PARAM_ATOL_LATER, 1e-5,
                                  f"{name} rank {rank} step {step + 1}: param")
                 mine, state = owned_grads(tr), tr.optimizer.state_dict()
                 _assert_state_close(mine, _local(mine, ref["grads"], ep), step,
