@@ -8,7 +8,8 @@ The model itself (``k3train/model``) is plain ``nn.Module``s; everything distrib
   values and parameter names match the single-process model) and runs the schedule;
 * MoonEP shards each LatentMoE's experts over the ``ep`` group and installs its dispatcher;
 * under CP every micro-batch's ``SeqInfo`` carries a :class:`kcp.KCPContext` over the ``cp`` group;
-* Pipeline ZeRO-2: the runner calls ``optimizer.reduce_chunk_grads`` as each chunk's gradients become final.
+* Pipeline ZeRO-2 (and ZeRO 0 / 1's all-reduce): the runner calls ``optimizer.reduce_chunk_grads`` as each chunk's
+  gradients become final.
 """
 from __future__ import annotations
 
@@ -90,8 +91,9 @@ class ParallelModel:
         return "edp" if is_expert_param(param) else "dp_cp"
 
     def set_chunk_backward_hook(self, optimizer: Any) -> None:
-        if self.cfg.parallel.zero == 2:
-            self.runner.on_chunk_backward_done = optimizer.reduce_chunk_grads
+        """Every ZeRO stage starts reducing a virtual chunk's gradients as soon as its last backward is done, so the
+        reduction overlaps the rest of the pipeline: ZeRO-2 reduces to owners, ZeRO 0 / 1 all-reduce (async)."""
+        self.runner.on_chunk_backward_done = optimizer.reduce_chunk_grads
 
     def forward_backward(self, micro_batches: list[Any], norm: LossNorm) -> dict[str, Any]:
         return self.runner.forward_backward(micro_batches, norm)

@@ -38,9 +38,9 @@ and past the core count the scheduler's switching costs more. An action's in-act
 compute at wall speed (its per-call costs were measured while every rank computes) and the rank waiting in it does
 not count among those computing.
 
-After the pipeline: gradients (parameter dtype) all-reduced over ``dp_cp`` (dense) and ``edp`` (routed experts) at
-ZeRO 0/1; at ZeRO-2 reduced to owners per chunk as soon as the chunk's last backward ends (overlapping the rest of
-the pipeline); the optimizer (Muon Newton-Schulz FLOPs + elementwise bytes; on cpu measured per parameter),
+Gradients (parameter dtype) over ``dp_cp`` (dense) and ``edp`` (routed experts), per chunk as soon as the chunk's
+last backward ends (overlapping the rest of the pipeline): all-reduced at ZeRO 0/1, reduced to owners at ZeRO-2;
+after the pipeline, the optimizer (Muon Newton-Schulz FLOPs + elementwise bytes; on cpu measured per parameter),
 balanced over owners at ZeRO >= 1 (not below the largest parameter); ZeRO >= 1 then broadcasts the updated
 parameters (all-gather bytes). ``--device cpu``: the trainer anchor (:class:`~k3train.planning.layer_bench.
 TrainerAnchor`, one real one-process run of the config on this host) scales the measured layer and optimizer
@@ -860,19 +860,21 @@ def predict(cfg: Any, lay: Any, part: Any, programs: list[list[Any]], dev: Devic
         # ParallelDims' groups of rank (r, 0, 0): dp_cp = the stage's dp*cp consecutive ranks, edp = every ep-th
         dg = range(r * dpcp, (r + 1) * dpcp)
         eg = range(r * dpcp, (r + 1) * dpcp, lay.ep)
-        if lay.zero == 2:  # per chunk at its last backward, one link, overlapping the rest
-            t_link = 0.0
-            share = {c: 0.0 for c in range(part.vpp)}
-            for c, (s, e_) in enumerate(part.local_chunks(r)):
-                share[c] = (e_ - s) / max(1, sum(b - a for a, b in part.local_chunks(r)))
-            for c in sorted(sim.chunk_done[r], key=lambda c: sim.chunk_done[r][c]):
-                # optim/zero.py: one bucketed dist.reduce per owner of the group
+        # per chunk at its last backward (parallelize.set_chunk_backward_hook), one link, overlapping the rest:
+        # ZeRO-2 one bucketed dist.reduce per owner of the group, ZeRO 0 / 1 an all-reduce (optim/zero.py)
+        t_link = 0.0
+        share = {c: 0.0 for c in range(part.vpp)}
+        for c, (s, e_) in enumerate(part.local_chunks(r)):
+            share[c] = (e_ - s) / max(1, sum(b - a for a, b in part.local_chunks(r)))
+        for c in sorted(sim.chunk_done[r], key=lambda c: sim.chunk_done[r][c]):
+            if lay.zero == 2:
                 dur = (ring_time("reduce_scatter", d * es * share[c], dg, dev, calls=len(dg))
                        + ring_time("reduce_scatter", e * es * share[c], eg, dev, calls=len(eg)))
-                t_link = max(t_link, sim.chunk_done[r][c]) + dur
-            finish.append(max(sim.end[r], t_link))
-        else:
-            finish.append(sim.end[r] + ring_time("all_reduce", d * es, dg, dev) + ring_time("all_reduce", e * es, eg, dev))
+            else:
+                dur = ring_time("all_reduce", d * es * share[c], dg, dev) + ring_time("all_reduce", e * es * share[c],
+                                                                                      eg, dev)
+            t_link = max(t_link, sim.chunk_done[r][c]) + dur
+        finish.append(max(sim.end[r], t_link))
         # every rank of the host updates at the same time
         opt.append(optimizer_seconds(facts, cfg, dev, part, r, lay, opt_times) / dev.rank_speed(lay.pp * dpcp))
         if anchor is not None:  # the norm's local work: the rank's share of the parameters' elements
