@@ -70,7 +70,7 @@ def predicted_fraction(runner, batches, mode: str) -> float:
     """Exposed / total encoder time under the placement's own static costs (module docstring)."""
     pp, vpp, M = runner.partition.pp, runner.partition.vpp, len(batches)
     f, b, ef, eb = runner.encoder_costs(batches)
-    base = build_schedule(runner.schedule, pp, vpp, M)
+    base = build_schedule(runner.schedule, pp, vpp, M, runner._paired_programs(False))  # the schedule it runs
     with_enc = simulate(place_encoder(base, pp, vpp, f, b, ef, eb, mode), pp, vpp, f, b, enc_f_cost=ef,
                         enc_b_cost=eb).makespan
     total = sum(ef) + sum(eb)

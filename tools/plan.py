@@ -273,12 +273,13 @@ def _load_line() -> str:
 
 def _predict_one(planner, row, res, split_p2p=False):  # noqa: ANN001, ANN202
     from k3train.planning.layouts import Validator
-    from k3train.planning.step_time import ParamFacts, predict
+    from k3train.planning.step_time import ParamFacts, pairs_actions, predict
 
     facts = ParamFacts.build(res.base_cfg)
     part = Validator(res.base_cfg, res.world).partition(row.cfg)
     opt_times = planner.lt.optimizer_in_trainer(res.base_cfg, facts.infos) if planner.lt is not None else None
-    return predict(row.cfg, row.layout, part, planner.programs(row.layout, row.cfg.train.grad_accum_steps),
+    return predict(row.cfg, row.layout, part, planner.programs(row.layout, row.cfg.train.grad_accum_steps,
+                                                       pairs_actions(row.cfg)),
                    planner.dev, facts, planner.lt, planner.skew, opt_times, split_p2p=split_p2p)
 
 

@@ -984,13 +984,14 @@ def estimate(cfg: Config, world_size: int, cache: Any = None, media: MediaCase |
     plan = AttnResCommPlan(part, pc.attnres_comm) if P > 1 else None
     from k3train.planning.step_time import forwards_before_first_backward
 
+    paired = cfg.ep_overlap()[0]  # F/B pairing: its schedule (one more warm-up forward) and paired programs
     in_flight = forwards_before_first_backward(resolve_schedule(pc.schedule, P, part.vpp) if P > 1 else "none", P,
-                                               part.vpp, M)
+                                               part.vpp, M, paired)
     if P > 1:
         from parallel.pipeline.p2p import build_programs
 
-        programs = build_programs(build_schedule(resolve_schedule(pc.schedule, P, part.vpp), P, part.vpp, M),
-                                  P, part.vpp)
+        programs = build_programs(build_schedule(resolve_schedule(pc.schedule, P, part.vpp), P, part.vpp, M,
+                                                 paired), P, part.vpp)
     else:
         from parallel.pipeline.p2p import Instr
         from parallel.pipeline.schedules import Action

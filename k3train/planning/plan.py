@@ -38,8 +38,8 @@ from typing import Any
 from k3train.planning.devices import Device
 from k3train.planning.layouts import Layout, Validator, enumerate_layouts
 from k3train.planning.memory import TraceDeadline
-from k3train.planning.step_time import (ParamFacts, Prediction, compute_lower_bound, predict, single_program,
-                                        static_memory_lower_bound, forwards_before_first_backward)
+from k3train.planning.step_time import (ParamFacts, Prediction, compute_lower_bound, pairs_actions, predict,
+                                        single_program, static_memory_lower_bound, forwards_before_first_backward)
 
 
 class EstimateCache:
@@ -143,15 +143,17 @@ class Planner:
         self._pairs = pairs
         self.enum_s = 0.0  # seconds the caller spent enumerating ``pairs``
 
-    def programs(self, lay: Layout, M: int) -> list[list[Any]]:
+    def programs(self, lay: Layout, M: int, paired: bool) -> list[list[Any]]:
+        """The F/B programs of ``lay`` (``paired``: built from F/B pairing's schedule; paired by the caller)."""
         from parallel.pipeline.p2p import build_programs
         from parallel.pipeline.schedules import build_schedule
 
         if lay.pp == 1:
             return [single_program(M)]
-        key = (lay.schedule, lay.pp, lay.vpp, M)
+        key = (lay.schedule, lay.pp, lay.vpp, M, paired)
         if key not in self._programs:
-            self._programs[key] = build_programs(build_schedule(lay.schedule, lay.pp, lay.vpp, M), lay.pp, lay.vpp)
+            self._programs[key] = build_programs(build_schedule(lay.schedule, lay.pp, lay.vpp, M, paired), lay.pp,
+                                                 lay.vpp)
         return self._programs[key]
 
     def run(self) -> PlanResult:
@@ -183,9 +185,10 @@ class Planner:
             tokens = L.mbs * r.cfg.train.seq_len // L.cp
             rc = r.cfg.parallel.recompute_granularity if L.recompute else None
             n_mb = r.cfg.train.global_batch_size // (L.dp * L.mbs)
-            kb = (id(part), L.pp, L.dp * L.cp, L.ep, L.zero, L.moonep, tokens, L.mbs, rc, L.schedule, n_mb)
+            paired = pairs_actions(r.cfg)
+            kb = (id(part), L.pp, L.dp * L.cp, L.ep, L.zero, L.moonep, tokens, L.mbs, rc, L.schedule, n_mb, paired)
             if kb not in bound_memo:
-                sk = (L.schedule, L.pp, L.vpp, n_mb)
+                sk = (L.schedule, L.pp, L.vpp, n_mb, paired)
                 if sk not in flight_memo:
                     flight_memo[sk] = forwards_before_first_backward(*sk)
                 args = (facts, r.cfg, part, L.pp, L.dp * L.cp, L.ep, L.zero, L.moonep, tokens, rc, flight_memo[sk])
@@ -270,9 +273,9 @@ class Planner:
                     r.skipped = "time budget"
                     continue
                 ts = time.perf_counter()
-                r.pred = predict(r.cfg, lay, val.partition(r.cfg),
-                                 self.programs(lay, r.cfg.train.grad_accum_steps), self.dev, facts, self.lt,
-                                 self.skew, opt_times)
+                programs = self.programs(lay, r.cfg.train.grad_accum_steps, pairs_actions(r.cfg))
+                r.pred = predict(r.cfg, lay, val.partition(r.cfg), programs, self.dev, facts, self.lt, self.skew,
+                                 opt_times)
                 t_sim += time.perf_counter() - ts
                 if not self.exhaustive and not from_urgent:  # re-enters at its prediction
                     heapq.heappush(heap, (r.pred.step_s, index[lay], r))

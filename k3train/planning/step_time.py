@@ -145,11 +145,12 @@ class ParamFacts:
         return d, e, big
 
 
-def forwards_before_first_backward(schedule: str, pp: int, vpp: int, num_microbatches: int) -> list[list[int]]:
+def forwards_before_first_backward(schedule: str, pp: int, vpp: int, num_microbatches: int,
+                                   paired: bool = False) -> list[list[int]]:
     """Per pipeline rank, the local chunks of the forwards it runs before its first backward, then that backward's
     chunk last: the prefix of :func:`parallel.pipeline.schedules.build_schedule`'s action list up to the first
-    backward (``schedule`` 'none': one rank, one forward). Only that prefix is built (the planner asks for
-    thousands of (pp, vpp, micro-batches))."""
+    backward (``schedule`` 'none': one rank, one forward; ``paired``: the schedule of F/B pairing). Only that
+    prefix is built (the planner asks for thousands of (pp, vpp, micro-batches))."""
     from parallel.pipeline.schedules import interleaved_prefix
 
     M = num_microbatches
@@ -158,8 +159,8 @@ def forwards_before_first_backward(schedule: str, pp: int, vpp: int, num_microba
     if schedule == "afab":
         return [[c for c in range(vpp) for _ in range(M)] + [vpp - 1]] * pp
     if schedule == "1f1b":
-        return [[0] * min(pp - r, M) + [0] for r in range(pp)]
-    return [interleaved_prefix(pp, vpp, r, M) for r in range(pp)]
+        return [[0] * min(pp - r + int(paired), M) + [0] for r in range(pp)]
+    return [interleaved_prefix(pp, vpp, r, M, paired) for r in range(pp)]
 
 
 def _stage_terms(facts: ParamFacts, part: Any, ep: int) -> list[tuple[float, float, float, list]]:

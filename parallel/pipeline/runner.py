@@ -315,7 +315,7 @@ class PipelineRunner(StepRunner):
                tuple(eb))
         if key not in self._placed:
             pp, vpp = self.partition.pp, self.partition.vpp
-            sched = build_schedule(self.schedule, pp, vpp, num_microbatches)
+            sched = build_schedule(self.schedule, pp, vpp, num_microbatches, self._paired_programs(forward_only))
             if forward_only:
                 sched = forward_only_schedule(sched)
             placed = place_encoder(sched, pp, vpp, f, b, ef, eb, self.encoder_schedule)[self.pp_rank]
@@ -350,7 +350,7 @@ class PipelineRunner(StepRunner):
         key = (num_microbatches, forward_only, self.post_ahead, paired)
         if key not in self._programs:
             pp, vpp = self.partition.pp, self.partition.vpp
-            sched = build_schedule(self.schedule, pp, vpp, num_microbatches)
+            sched = build_schedule(self.schedule, pp, vpp, num_microbatches, paired)
             if forward_only:
                 sched = forward_only_schedule(sched)
             sim = simulate(sched, pp, vpp)

@@ -16,6 +16,11 @@ Schedules (``M`` micro-batches, ``pp`` ranks, ``vpp`` chunks per rank):
 * ``interleaved`` (Megatron's interleaved 1F1B): the ``M * vpp`` virtual micro-batches of a rank are taken in
   groups of ``pp`` micro-batches per chunk (forward: chunks ascending, backward: chunks descending); warm-up is
   ``2 (pp - r - 1) + (vpp - 1) pp`` forwards (all of them when ``M == pp``). Needs ``M % pp == 0``.
+* ``paired`` (F/B pairing, ``parallel.overlap_ep``: the runner computes a steady-state F and the B after it at the
+  same time, parallel/pairing.py): 1F1B and interleaved warm up with one more forward (as Megatron's combined 1F1B
+  does). Without it a pair's forward is the one the next stage needs for its own pair's forward, and a pair ends
+  later than a lone forward would (it shares the rank with the backward): every hop of the pipeline waits a whole
+  pair. With it the pair's forward feeds the next stage's *next* pair, one micro-batch of slack.
 
 Bubble (idle) fraction with equal stages, forward time f and backward b, no communication time:
 ``(pp - 1) / (vpp * M + pp - 1)`` for 1F1B and interleaved 1F1B (idle time ``(pp-1)(f+b)/vpp`` against ideal
@@ -96,8 +101,8 @@ def check_num_microbatches(schedule: str, pp: int, vpp: int, num_microbatches: i
                           f"micro-batches per step ({M}) to be a positive multiple of parallel.pp = {pp}")
 
 
-def _one_f_one_b(pp: int, rank: int, M: int) -> list[Action]:
-    warmup = min(pp - rank - 1, M)
+def _one_f_one_b(pp: int, rank: int, M: int, paired: bool = False) -> list[Action]:
+    warmup = min(pp - rank - 1 + int(paired), M)
     acts = [Action("F", 0, m) for m in range(warmup)]
     for i in range(M - warmup):
         acts += [Action("F", 0, warmup + i), Action("B", 0, i)]
@@ -114,26 +119,26 @@ def _virtual(pp: int, vpp: int, k: int, forward: bool) -> Action:
     return Action("F", c, m) if forward else Action("B", vpp - 1 - c, m)
 
 
-def _interleaved_warmup(pp: int, vpp: int, rank: int, M: int) -> int:
+def _interleaved_warmup(pp: int, vpp: int, rank: int, M: int, paired: bool = False) -> int:
     total = M * vpp
-    return total if M == pp else min(2 * (pp - rank - 1) + (vpp - 1) * pp, total)
+    return total if M == pp else min(2 * (pp - rank - 1) + (vpp - 1) * pp + int(paired), total)
 
 
-def interleaved_prefix(pp: int, vpp: int, rank: int, M: int) -> list[int]:
+def interleaved_prefix(pp: int, vpp: int, rank: int, M: int, paired: bool = False) -> list[int]:
     """The local chunks of the interleaved schedule's forwards on ``rank`` before its first backward, then that
     backward's chunk (what :func:`_interleaved` runs first, without building the rest)."""
-    warmup = _interleaved_warmup(pp, vpp, rank, M)
+    warmup = _interleaved_warmup(pp, vpp, rank, M, paired)
     n_fwd = warmup + (1 if warmup < M * vpp else 0)
     return [_virtual(pp, vpp, k, True).chunk for k in range(n_fwd)] + [_virtual(pp, vpp, 0, False).chunk]
 
 
-def _interleaved(pp: int, vpp: int, rank: int, M: int) -> list[Action]:
+def _interleaved(pp: int, vpp: int, rank: int, M: int, paired: bool = False) -> list[Action]:
     total = M * vpp
 
     def virtual(k: int, forward: bool) -> Action:
         return _virtual(pp, vpp, k, forward)
 
-    warmup = _interleaved_warmup(pp, vpp, rank, M)
+    warmup = _interleaved_warmup(pp, vpp, rank, M, paired)
     acts = [virtual(k, True) for k in range(warmup)]
     for i in range(total - warmup):
         acts += [virtual(warmup + i, True), virtual(i, False)]
@@ -157,15 +162,17 @@ def check_schedule(schedule: str, pp: int, vpp: int, num_microbatches: int) -> N
         raise ConfigError(f"parallel.schedule: '1f1b' needs vpp = 1, got {vpp}")
 
 
-def build_schedule(schedule: str, pp: int, vpp: int, num_microbatches: int) -> list[list[Action]]:
+def build_schedule(schedule: str, pp: int, vpp: int, num_microbatches: int,
+                   paired: bool = False) -> list[list[Action]]:
     """Per pipeline rank, the ordered actions of one training step (``schedule`` as resolved by
-    :func:`resolve_schedule`). Pure: no processes, no tensors."""
+    :func:`resolve_schedule`). ``paired``: the schedule F/B pairing runs (module docstring: one more warm-up
+    forward). Pure: no processes, no tensors."""
     check_schedule(schedule, pp, vpp, num_microbatches)
     if schedule == "afab":
         return [_afab(vpp, num_microbatches) for _ in range(pp)]
     if schedule == "1f1b":
-        return [_one_f_one_b(pp, r, num_microbatches) for r in range(pp)]
-    return [_interleaved(pp, vpp, r, num_microbatches) for r in range(pp)]
+        return [_one_f_one_b(pp, r, num_microbatches, paired) for r in range(pp)]
+    return [_interleaved(pp, vpp, r, num_microbatches, paired) for r in range(pp)]
 
 
 def forward_only_schedule(sched: list[list[Action]]) -> list[list[Action]]:

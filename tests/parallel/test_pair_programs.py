@@ -14,7 +14,7 @@ from parallel.pipeline.schedules import build_schedule, deps_of
 @pytest.mark.parametrize("name,pp,vpp,m", [("1f1b", 2, 1, 4), ("1f1b", 4, 1, 8), ("interleaved", 2, 2, 4),
                                            ("interleaved", 4, 2, 8), ("interleaved", 8, 4, 32), ("afab", 2, 1, 4)])
 def test_pair_programs(name: str, pp: int, vpp: int, m: int) -> None:
-    programs = build_programs(build_schedule(name, pp, vpp, m), pp, vpp)
+    programs = build_programs(build_schedule(name, pp, vpp, m, paired=True), pp, vpp)
     paired, firsts = pair_programs(programs, pp, vpp)
     check_programs(paired, pp, vpp)
     run_programs(paired, pp, vpp, ordered=True)

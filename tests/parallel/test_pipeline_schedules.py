@@ -11,10 +11,11 @@ from parallel.pipeline.schedules import (Action, build_schedule, resolve_schedul
 CASES = [(pp, vpp, M) for pp in (2, 3, 4) for vpp in (1, 2, 3) for M in (pp, 2 * pp, 3 * pp)]
 
 
+@pytest.mark.parametrize("paired", [False, True])
 @pytest.mark.parametrize("kind,pp,vpp,M", [(k, *c) for k in ("afab", "interleaved", "1f1b") for c in CASES
                                             if k != "1f1b" or c[1] == 1])
-def test_schedule_runs_and_programs_match(kind: str, pp: int, vpp: int, M: int) -> None:
-    sched = build_schedule(kind, pp, vpp, M)
+def test_schedule_runs_and_programs_match(kind: str, pp: int, vpp: int, M: int, paired: bool) -> None:
+    sched = build_schedule(kind, pp, vpp, M, paired)
     validate_schedule(sched, pp, vpp, M)
     sim = simulate(sched, pp, vpp)  # raises on deadlock
     assert sim.makespan > 0
@@ -44,6 +45,21 @@ def test_1f1b_shape() -> None:
             live += 1 if a.kind == "F" else -1
             peak = max(peak, live)
         assert peak == min(4 - r, 6)
+
+
+def test_paired_schedule_warms_up_one_forward_more() -> None:
+    """F/B pairing's schedule (``paired``): every 1F1B / interleaved rank runs one more forward before its first
+    backward (capped by the micro-batches), the rest of the order unchanged; AFAB as it was."""
+    for kind, pp, vpp, M in (("1f1b", 4, 1, 6), ("1f1b", 4, 1, 3), ("interleaved", 4, 2, 8), ("interleaved", 2, 3, 4),
+                             ("interleaved", 2, 2, 2)):
+        plain, paired = build_schedule(kind, pp, vpp, M), build_schedule(kind, pp, vpp, M, paired=True)
+        for r in range(pp):
+            warm = [next(i for i, a in enumerate(s[r]) if a.kind == "B") for s in (plain, paired)]
+            total = sum(a.kind == "F" for a in plain[r])
+            assert warm[1] == min(warm[0] + 1, total), (kind, pp, vpp, M, r, warm)
+            assert [a for a in paired[r] if a.kind == "F"] == [a for a in plain[r] if a.kind == "F"]
+            assert [a for a in paired[r] if a.kind == "B"] == [a for a in plain[r] if a.kind == "B"]
+    assert build_schedule("afab", 2, 2, 4, paired=True) == build_schedule("afab", 2, 2, 4)
 
 
 def test_interleaved_order() -> None:

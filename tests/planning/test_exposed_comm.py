@@ -25,7 +25,7 @@ def _predict(world: int, pins: list[str], **dev_fields):  # noqa: ANN003, ANN202
     lay = canonical(cfg)
     part = Validator(cfg, world).partition(cfg)
     planner = Planner(TINY, pins, world, dev, log=lambda *a: None)
-    programs = planner.programs(lay, cfg.train.grad_accum_steps)
+    programs = planner.programs(lay, cfg.train.grad_accum_steps, cfg.ep_overlap()[0])
     return predict(cfg, lay, part, programs, dev, ParamFacts.build(cfg), None, 1.5, None, split_p2p=True)
 
 

@@ -66,5 +66,5 @@ def test_pipeline_pairs_are_the_runners(pp: int, vpp: int, m: int) -> None:
     cfg = load_config(str(ROOT / "configs" / "tiny.yaml"), [f"--parallel.pp={pp}", f"--parallel.vpp={vpp}",
                                                            "--parallel.ep=2", "--train.global_batch_size=8"],
                       world_size=2 * pp)
-    programs = build_programs(build_schedule("interleaved" if vpp > 1 else "1f1b", pp, vpp, m), pp, vpp)
+    programs = build_programs(build_schedule("interleaved" if vpp > 1 else "1f1b", pp, vpp, m, paired=True), pp, vpp)
     assert paired_programs(cfg, programs, pp, vpp) == pair_programs(programs, pp, vpp)

@@ -136,8 +136,10 @@ def test_trainer_anchor_enters_every_prediction(planned):
     a = lt.anchor(res.base_cfg)
     m = a.measured
     assert (m["B"], m["T"]) == (2, res.base_cfg.train.seq_len)  # the config's micro-batch (PIN's 2)
-    assert m["step_time_s"] == pytest.approx(m["time_forward_backward_s"] + a.grad_norm_s + m["time_optimizer_s"]
-                                             + a.host_step_s)
+    # the step's time outside its three timed phases; never negative (the phases are medians of their own, so
+    # under load their sum may pass the step's by a little: 0.2811 vs 0.2822 s in a suite beside other work)
+    rest = m["step_time_s"] - (m["time_forward_backward_s"] + a.grad_norm_s + m["time_optimizer_s"])
+    assert a.host_step_s == pytest.approx(max(rest, 0.0)) and rest > -0.05 * m["step_time_s"], (rest, m)
     # the forward + backward scale: the median of the rounds' ratios (trainer step / isolated layers, in turns)
     rounds = lt.data[lt.host]["anchor"]
     (run,) = [v for v in rounds.values() if v["B"] == 2]
@@ -153,7 +155,7 @@ def test_trainer_anchor_enters_every_prediction(planned):
     facts = ParamFacts.build(res.base_cfg)
     part = Validator(res.base_cfg, 2).partition(row.cfg)
     pl = Planner(TINY, PIN, 2, dev, layer_times=bare, log=lambda *x: None)
-    p0 = predict(row.cfg, row.layout, part, pl.programs(row.layout, row.cfg.train.grad_accum_steps), dev, facts,
+    p0 = predict(row.cfg, row.layout, part, pl.programs(row.layout, row.cfg.train.grad_accum_steps, False), dev, facts,
                  bare, 1.5, bare.optimizer(res.base_cfg, facts.infos))
     assert p0.host == 0.0
     assert row.pred.compute == pytest.approx(p0.compute * a.fb_scale)
@@ -279,16 +281,17 @@ def test_forwards_before_first_backward_is_the_schedule_prefix():
     from parallel.pipeline.schedules import build_schedule, check_schedule
 
     n = 0
-    for sched, pp, vpp, M in itertools.product(("afab", "1f1b", "interleaved"), (2, 3, 4), (1, 2, 3), (1, 2, 4, 8)):
+    for sched, pp, vpp, M, paired in itertools.product(("afab", "1f1b", "interleaved"), (2, 3, 4), (1, 2, 3),
+                                                       (1, 2, 4, 8), (False, True)):
         try:
             check_schedule(sched, pp, vpp, M)
         except ConfigError:
             continue
         want = []
-        for acts in build_schedule(sched, pp, vpp, M):
+        for acts in build_schedule(sched, pp, vpp, M, paired):
             first_b = next(a for a in acts if a.kind == "B")
             want.append([a.chunk for a in acts[:acts.index(first_b)] if a.kind == "F"] + [first_b.chunk])
-        assert forwards_before_first_backward(sched, pp, vpp, M) == want, (sched, pp, vpp, M)
+        assert forwards_before_first_backward(sched, pp, vpp, M, paired) == want, (sched, pp, vpp, M, paired)
         n += 1
     assert n > 40
 
@@ -340,7 +343,8 @@ def test_best_first_ranks_what_tracing_everything_ranks():
     from k3train.planning.plan import EstimateCache, Planner
 
     pins = ["--parallel.moonep=false", "--parallel.zero=1", "--parallel.ep=1", "--parallel.vpp=1",
-            "--parallel.recompute=false", "--parallel.pp=2", "--parallel.schedule=1f1b"]  # 4 micro-batch sizes
+            "--parallel.recompute=false", "--parallel.pp=2", "--parallel.schedule=1f1b",  # 4 micro-batch sizes
+            f"--data.path={shipped_view('corpus_text_document')}"]  # the estimate reads micro-batches
     W, k = 2, 1
     cache = EstimateCache()  # shared: the estimates of the exhaustive run are reused (the same bytes)
     every = Planner(TINY, pins, W, _h100(), exhaustive=True, log=lambda *a: None, cache=cache).run()
@@ -379,7 +383,8 @@ def test_static_bound_counts_the_traced_ffn_bytes(monkeypatch, recompute):
     cfg = load_config(TINY, [f"--parallel.recompute={str(recompute).lower()}",
                              "--parallel.recompute_granularity=sublayer",
                              "--parallel.cp=2", "--parallel.dp=1", "--train.micro_batch_size=1",
-                             "--train.seq_len=16384", "--model.max_position_embeddings=16384"], world_size=2)
+                             "--train.seq_len=16384", "--model.max_position_embeddings=16384",
+                             f"--data.path={shipped_view('corpus_text_document')}"], world_size=2)
     L, T = canonical(cfg), 8192
     cache = EstimateCache()
     ffn = memory.ffn_saved_bytes(cfg, cache.full_model(cfg, 1, cache.fake), cache.fake, cache.pieces, 1, T)
