@@ -607,6 +607,44 @@ def ffn_saved_bytes(cfg: Config, model: nn.Module, fake: FakeTensorMode, cache: 
     return out
 
 
+def mixer_bytes(cfg: Config, model: nn.Module, fake: FakeTensorMode, cache: dict, B: int, T: int,
+                deadline: float | None = None) -> dict[str, tuple[int, int]]:
+    """``{layer kind: (saved, b_peak)}`` of each token-mixer sublayer under sublayer recomputation, on the CP rank
+    whose MLA attends over the most key segments (under balance rank 0, else the last): the very pieces
+    :func:`trace_chunk` composes for that rank at ``B x T`` tokens (same fits, same ``cache`` entries; above
+    CP_TRACED_MAX from the cp line). With :func:`ffn_saved_bytes` what the planner's static bound composes a
+    chunk's sublayers from: the MLA keys of all the cp segments and the KDA pairs of the group are in them."""
+    reps = piece_layers(cfg)
+    C = cfg.parallel.cp
+    rank = 0 if C == 1 or cfg.parallel.mla_cp_balance else C - 1
+    out = {}
+    for kind in sorted({k[1] for k in reps if k[0] == "mixer"}):
+        i = reps[("mixer", kind)]
+        saved, _, b_peak = trace_piece(cfg, model, fake, cache, ("mixer", kind), i, i + 1, False, False, "mixer", (),
+                                       kind, B=B, T=T, cp_rank=rank, deadline=deadline)
+        out[kind] = (saved, b_peak)
+    return out
+
+
+def end_bytes(cfg: Config, model: nn.Module, fake: FakeTensorMode, cache: dict, B: int, T: int,
+              deadline: float | None = None) -> dict[str, tuple[int, int]]:
+    """``{"embed": (saved, b_peak), "head": (saved, b_peak)}``: the first stage's embedding piece and the last
+    stage's head piece (the LM head + MTP cross-entropy in token chunks, the MTP layer) as :func:`trace_chunk`
+    composes them at ``B x T`` tokens, the head on the CP rank :func:`mixer_bytes` reads (same fits, same ``cache``
+    entries). The head's MTP layer keeps a mixer's and an FFN's worth for every micro-batch in flight on the last
+    stage: the bound's term for it (``step_time.static_memory_lower_bound``)."""
+    from k3train.model.model import CE_CHUNK_TOKENS
+
+    L = cfg.model.num_hidden_layers
+    C = cfg.parallel.cp
+    rank = 0 if C == 1 or cfg.parallel.mla_cp_balance else C - 1
+    moe_chunk = cfg.model.moe_token_chunk if cfg.model.num_experts > 0 else 0
+    e = trace_piece(cfg, model, fake, cache, ("embed",), 0, 0, True, False, B=B, T=T, deadline=deadline)
+    h = trace_piece(cfg, model, fake, cache, ("head",), L, L, False, True, None, (CE_CHUNK_TOKENS, moe_chunk), "mla",
+                    B=B, T=T, cp_rank=rank, deadline=deadline)
+    return {"embed": (e[0], e[2]), "head": (h[0], h[2])}
+
+
 def piece_depends_on_cp(cfg: Config, key: tuple, media: MediaCase | None) -> bool:
     """Whether a composed piece's bytes depend on the CP size (and so are traced, and cached, per cp): a token
     mixer (KDA: the KCP pairs of the whole group are gathered and folded; MLA: its keys are the CP rank's key
@@ -644,6 +682,11 @@ def trace_piece(cfg: Config, model: nn.Module, fake: FakeTensorMode, cache: dict
     base = (KDA_COMPOSE_TOKENS if kind == "kda" else (bk * B, 2 * bk * B, 4 * bk * B) if mla
             else COMPOSE_TOKENS)
     pts = piece_tokens(B * T, list(chunks), base)
+    if C > CP_TRACED_MAX and key != ("embed",):
+        line = _on_cp_line(cfg, model, fake, cache, key, a, b, fst, lst, sub, chunks, kind, B=B, T=T,
+                           cp_rank=cp_rank, media=media, deadline=deadline)
+        if line is not None:
+            return line
     ck = key + (B, C, cfg.train.dtype, cfg.parallel.mla_cp_balance if C > 1 else None,
                 None if chunk_rc else unit, pts) + ((media, cfg.parallel.recompute) if key == ("embed",) else ())
     if ck not in cache:
@@ -675,6 +718,49 @@ def trace_piece(cfg: Config, model: nn.Module, fake: FakeTensorMode, cache: dict
         else:  # cp = 2 balanced: both ranks attend over both segments
             vals = [max(y0, _poly(f1, B * T)) for y0, f1 in zip(vals, fits[1])]
     return tuple(max(0, int(round(y))) for y in vals)
+
+
+# Above this CP size a cp-dependent piece (a token mixer, a layer, the head) is not traced at its cp: what it holds is
+# affine in the CP size at a fixed segment length -- the KDA pairs of the whole group are gathered and kept ([cp, B,
+# H, dk, dk+dv]), an MLA rank's keys are its key segments (``mla_key_segments``: cp - r under balance) -- so it is
+# traced at CP_LINE (CP ranks 0 and 1), the three points checked to lie on one line, and extended on it. The traces
+# at a large cp cost what the cp costs (the KDA fold's backward walks the cp ranks one by one on fake tensors, an
+# MLA rank's blockwise attention its key segments: 21 s a trace at cp 64); these cost what cp 4 + 6 + 8 do, once for
+# every cp (K3's MLA mixer at 1M: 86 s at (4, 8, 16)).
+CP_TRACED_MAX = 16
+CP_LINE = (4, 6, 8)
+
+
+def _on_cp_line(cfg: Config, model: nn.Module, fake: FakeTensorMode, cache: dict, key: tuple, a: int, b: int,
+                fst: bool, lst: bool, sub: str | None, chunks: tuple[int, ...], kind: str, *, B: int, T: int,
+                cp_rank: int, media: MediaCase | None, deadline: float | None) -> tuple[int, int, int] | None:
+    """:func:`trace_piece` at ``cfg.parallel.cp`` from its values at CP_LINE (see above): each byte count of CP
+    ranks 0 and 1 extended on its line in the cp, rank ``cp_rank`` placed between them by its MLA key segments as
+    :func:`trace_piece` does; None when the points are not on one line (then the piece is traced at its cp)."""
+    import dataclasses
+
+    C = cfg.parallel.cp
+    ranks = (0, 1) if kind == "mla" else (0,)
+    vals: dict[int, list[float]] = {}
+    for r in ranks:
+        pts = []
+        for c in CP_LINE:
+            cc = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, cp=c))
+            pts.append(trace_piece(cc, model, fake, cache, key, a, b, fst, lst, sub, chunks, kind, B=B, T=T,
+                                   cp_rank=r, media=media, deadline=deadline))
+        (c0, c1, c2), line = CP_LINE, []
+        for y0, y1, y2 in zip(*pts):
+            slope = (y2 - y1) / (c2 - c1)
+            if abs((y1 - y0) - slope * (c1 - c0)) > max(64, 1e-6 * abs(y2)):  # rounding of the fits: bytes
+                return None
+            line.append(y2 + slope * (C - c2))
+        vals[r] = line
+    out = vals[0]
+    if kind == "mla":
+        nk = [mla_key_segments(cfg, r) for r in (0, 1)]
+        w = (mla_key_segments(cfg, cp_rank) - nk[0]) / (nk[1] - nk[0]) if nk[1] != nk[0] else 0.0
+        out = [y0 + w * (y1 - y0) for y0, y1 in zip(vals[0], vals[1])]
+    return tuple(max(0, int(round(y))) for y in out)
 
 
 def trace_chunk(cfg: Config, model: nn.Module, part: Any, plan: Any, v: int, chunk: int, batch: Any,

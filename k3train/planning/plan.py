@@ -5,9 +5,12 @@ Order of work (cheapest first, every skip exact):
 1. :func:`k3train.planning.layouts.enumerate_layouts` -- every layout the run validation accepts.
 2. Static memory bound (:func:`step_time.static_memory_lower_bound`: weights + gradients + optimizer state, or
    weights + optimizer state + the hidden-state partial sums of each forward the schedule runs before a rank's
-   first backward; with one row per micro-batch composed per piece and sublayer or no recomputation, each FFN
-   counts its traced piece's bytes instead, :func:`memory.ffn_saved_bytes`, traced once for every cp)
-   above the device memory: infeasible, no trace (``fits: false, skipped: 'bound'``).
+   first backward; with micro-batches composed per piece and sublayer or no recomputation, each FFN counts its
+   traced piece's bytes instead, :func:`memory.ffn_saved_bytes`, traced once for every cp, and under sublayer
+   recomputation each token mixer its piece's, :func:`memory.mixer_bytes`, traced per cp -- a line in the cp above
+   16 -- and the embedding and head pieces, :func:`memory.end_bytes`, with the first backward's peak composed as
+   the estimator composes it; over several stages each forward's received AttnRes payload) above the device
+   memory: infeasible, no trace (``fits: false, skipped: 'bound'``).
 3. Step-time lower bound (:func:`step_time.compute_lower_bound`) for the rest; best first: a layout enters a
    queue at its lower bound, is simulated (:func:`step_time.predict`) when it reaches the front and re-enters at
    its prediction, so layouts are traced (4.) in predicted order, each only when no layout not yet traced can be
@@ -81,6 +84,7 @@ class Row:
     skipped: str = ""
     measured: dict[str, float] = field(default_factory=dict)  # measure_step's phases (``--measure``)
     peak_is_bound: bool = False  # peak_bytes is a lower bound (the trace stopped once a chunk exceeded the device)
+    bound_key: tuple = field(repr=False, default=())  # what its static memory bound reads (``Planner.run``)
 
     @property
     def measured_step_s(self) -> float | None:
@@ -179,6 +183,9 @@ class Planner:
         bound_memo: dict[tuple, int] = {}  # the bound reads the partition, dp*cp, ep, zero, moonep, tokens, schedule
         flight_memo: dict[tuple, list[list[int]]] = {}
         ffn_memo: dict[tuple, dict[bool, int] | None] = {}  # (row tokens, recompute) -> memory.ffn_saved_bytes
+        mixer_memo: dict[tuple, dict[str, tuple[int, int]] | None] = {}  # (row tokens, cp) -> memory.mixer_bytes
+        ends_memo: dict[tuple, dict[str, tuple[int, int]] | None] = {}  # (row tokens, cp) -> memory.end_bytes
+        refine: dict[tuple, tuple] = {}  # bound key -> what the bound with the end pieces reads
         for r in rows:
             part = val.partition(r.cfg)
             L = r.layout
@@ -193,12 +200,18 @@ class Planner:
                     flight_memo[sk] = forwards_before_first_backward(*sk)
                 args = (facts, r.cfg, part, L.pp, L.dp * L.cp, L.ep, L.zero, L.moonep, tokens, rc, flight_memo[sk])
                 bound_memo[kb] = static_memory_lower_bound(*args)
-                if bound_memo[kb] <= self.dev.hbm_bytes and rc in ("sublayer", None) and L.mbs == 1:
+                if bound_memo[kb] <= self.dev.hbm_bytes and (rc is None and L.mbs == 1 or rc == "sublayer"):
                     # within the bound on one hidden state per FFN: count the FFN's traced bytes (once per row
-                    # length, every cp alike; one row per micro-batch: the traces are per micro-batch shape)
+                    # length, every cp alike) and, under sublayer recomputation, the token mixers' (per cp; a line
+                    # in the cp above 16) -- of ONE row: a micro-batch of several holds at least what one of its
+                    # rows holds (the pieces' traces at one row serve every micro-batch size)
                     ffn = self._ffn_saved(r, ffn_memo, t_end)
                     if ffn is not None:
-                        bound_memo[kb] = static_memory_lower_bound(*args, ffn_saved=ffn)
+                        mix = self._mixer(r, mixer_memo, t_end) if rc == "sublayer" else None
+                        bound_memo[kb] = static_memory_lower_bound(*args, ffn_saved=ffn, mixer=mix)
+                        if mix is not None:  # the embedding and head pieces: when the layout is about to be traced
+                            refine[kb] = (args, ffn, mix)
+            r.bound_key = kb
             r.mem_bound = bound_memo[kb]
             if r.mem_bound > self.dev.hbm_bytes:
                 r.fits, r.skipped = False, "bound"
@@ -208,6 +221,13 @@ class Planner:
                          f"optimizer state, or weights + optimizer state + the partial sums of each forward before "
                          f"the first backward (under sublayer recomputation: what each FFN sublayer's traced piece "
                          f"keeps), alone: dropped without a trace")
+        if mixer_memo:
+            self.log("token-mixer bytes per micro-batch row (saved / backward peak, GiB; at the CP rank with the "
+                     "most MLA keys): " + "; ".join(
+                         f"{b} x {t} tokens, cp {cp}: "
+                         + ("budget spent" if v is None else ", ".join(
+                             f"{k} {v[k][0] / 2**30:.2f} / {v[k][1] / 2**30:.2f}" for k in sorted(v)))
+                         for (b, t, cp), v in sorted(mixer_memo.items())))
         if ffn_memo:
             self.log("FFN bytes kept per micro-batch row (traced once for every cp; GiB, dense / MoE): " + "; ".join(
                 f"{b} x {t} tokens{', recompute' if rc else ''}: "
@@ -224,7 +244,7 @@ class Planner:
         fitting: list[float] = []
         fits_norc: set[Layout] = set()
         t_sim = t_mem = 0.0
-        n_traced = 0
+        n_traced = n_late = 0
         by_layout = {r.layout: r for r in live}
         families: dict[tuple, list[Row]] = {}
         siblings: dict[tuple, list[Row]] = {}  # same dims and memory knobs, another vpp / schedule
@@ -295,6 +315,25 @@ class Planner:
             # 45 s), and what it traced of the model stays cached
             self.cache.deadline = None if self.exhaustive else min(ts + self.trace_budget_s - t_mem, t_end)
             try:
+                if r.bound_key in refine:  # the bound with the first and last stage's pieces (traced at this cp
+                    # for the estimate anyway: the same cache entries): over the device, too big without the rest
+                    from k3train.planning.memory import end_bytes
+
+                    args, ffn, mix = refine.pop(r.bound_key)
+                    ends = self._mixer(r, ends_memo, self.cache.deadline, end_bytes)
+                    if ends is None:
+                        raise TraceDeadline()
+                    bound_memo[r.bound_key] = static_memory_lower_bound(*args, ffn_saved=ffn, mixer=mix, ends=ends)
+                r.mem_bound = bound_memo[r.bound_key]
+                if r.mem_bound > self.dev.hbm_bytes:
+                    r.fits, r.skipped = False, "bound"
+                    n_late += 1
+                    t_mem += time.perf_counter() - ts
+                    self.log(f"  memory of {lay.short()}: over its bound with the embedding and head pieces, "
+                             f"{_gib(r.mem_bound)} GiB [{time.perf_counter() - ts:.1f} s]")
+                    if not self.exhaustive:
+                        self._too_big_follow_ups(r, by_layout, seen, urgent, families)
+                    continue
                 self.trace(r)
             except TraceDeadline:
                 r.skipped = "time budget" if time.perf_counter() > t_end else "trace budget"
@@ -332,6 +371,10 @@ class Planner:
             "time budget": f"layouts not simulated or traced: the plan's time budget ({self.time_budget_s:.0f} s, "
                            "enumeration included) spent",
         }
+        if n_late:
+            notes.append(f"{n_late} layouts exceed {self.dev.hbm_bytes / 2**30:.1f} GiB on that bound with the first "
+                         f"and last stages' pieces (the embedding, the LM head + MTP layer: traced at a layout's cp "
+                         f"when it came up for a trace, as its estimate would): dropped without the rest")
         for reason, text in why.items():
             n = sum(r.skipped == reason for r in rows)
             if n:
@@ -344,26 +387,47 @@ class Planner:
                           seconds=secs, notes=notes)
 
     def _ffn_saved(self, r: Row, memo: dict[tuple, dict[bool, int] | None], t_end: float) -> dict[bool, int] | None:
-        """``memory.ffn_saved_bytes`` for ``r``'s micro-batch (``micro_batch_size`` rows of ``seq_len / cp``) under
+        """``memory.ffn_saved_bytes`` for one row of ``r``'s micro-batch (``seq_len / cp`` tokens) under
         its recompute setting when the estimator composes it per piece (else None: a whole trace has no pieces),
         traced into the :class:`EstimateCache` (under sublayer recomputation the estimates reuse them); None as
         well once the plan's time is spent."""
-        from k3train.planning.memory import TraceDeadline, ffn_saved_bytes, whole_traces
+        from k3train.planning.memory import ffn_saved_bytes, whole_traces
 
-        B, T = r.layout.mbs, r.cfg.train.seq_len // r.layout.cp
-        if whole_traces(r.cfg, B, T):
+        B, T = 1, r.cfg.train.seq_len // r.layout.cp  # one row (see ``run``)
+        if whole_traces(r.cfg, r.layout.mbs, T):
             return None
         key = (B, T, r.layout.recompute)
         if key not in memo:
-            c = self.cache
-            full = next((m for (_, dt), m in c._full.items() if dt == r.cfg.train.dtype), None)
-            try:
-                if full is None:
-                    full = c.full_model(r.cfg, r.layout.ep, c.fake)
-                memo[key] = ffn_saved_bytes(r.cfg, full, c.fake, c.pieces, B, T, t_end)
-            except TraceDeadline:
-                memo[key] = None
+            memo[key] = self._traced(r, ffn_saved_bytes, B, T, t_end)
         return memo[key]
+
+    def _mixer(self, r: Row, memo: dict[tuple, Any], t_end: float, fn: Any = None) -> dict[str, tuple[int, int]] | None:
+        """``memory.mixer_bytes`` (or ``fn``: ``memory.end_bytes``) for one row of ``r``'s micro-batch at its cp
+        (under sublayer recomputation; None where the estimator traces whole chunks, or once the plan's time is
+        spent)."""
+        from k3train.planning.memory import mixer_bytes, whole_traces
+
+        B, T = 1, r.cfg.train.seq_len // r.layout.cp  # one row (see ``run``)
+        if whole_traces(r.cfg, r.layout.mbs, T):
+            return None
+        key = (B, T, r.layout.cp)
+        if key not in memo:
+            memo[key] = self._traced(r, fn or mixer_bytes, B, T, t_end)
+        return memo[key]
+
+    def _traced(self, r: Row, fn: Any, B: int, T: int, t_end: float) -> Any:
+        """``fn(cfg, full model, fake mode, piece cache, B, T, deadline)`` on the :class:`EstimateCache`'s fake full
+        model (any ep: the pieces do not depend on it), None when the deadline passes."""
+        from k3train.planning.memory import TraceDeadline
+
+        c = self.cache
+        full = next((m for (_, dt), m in c._full.items() if dt == r.cfg.train.dtype), None)
+        try:
+            if full is None:
+                full = c.full_model(r.cfg, r.layout.ep, c.fake)
+            return fn(r.cfg, full, c.fake, c.pieces, B, T, t_end)
+        except TraceDeadline:
+            return None
 
     @staticmethod
     def _too_big_follow_ups(r: Row, by_layout: dict[Layout, Row], seen: set[Layout], urgent: deque,

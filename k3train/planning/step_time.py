@@ -178,6 +178,21 @@ def _stage_terms(facts: ParamFacts, part: Any, ep: int) -> list[tuple[float, flo
     return _MEMO[key][0]
 
 
+def _recv_blocks(part: Any, mode: str) -> list[list[int]]:
+    """Per pipeline rank, per local chunk: the hidden-state-sized tensors its forward receives from the previous
+    stage (the cached AttnRes plan's payload, ``memory.plan_bytes``), held by each micro-batch in flight until its
+    backward (memoised per partition and mode)."""
+    key = ("recv", id(part), mode)
+    if key not in _MEMO:
+        from parallel.pipeline.attnres_comm import AttnResCommPlan
+
+        plan = AttnResCommPlan(part, mode) if part.pp > 1 else None
+        out = [[len(plan.payload(v - 1).items()) if plan is not None and v > 0 else 0 for v in part.local_stages(r)]
+               for r in range(part.pp)]
+        _MEMO[key] = (out, part)
+    return _MEMO[key][0]
+
+
 def _flight_counts(flight: list[int]) -> tuple[dict[int, int], int]:
     """``({local chunk: forwards in flight}, chunk of the first backward)`` of one rank's
     :func:`forwards_before_first_backward` list (memoised by the list object)."""
@@ -193,7 +208,9 @@ def _flight_counts(flight: list[int]) -> tuple[dict[int, int], int]:
 def static_memory_lower_bound(facts: ParamFacts, cfg: Any, part: Any, pp: int, dpcp: int, ep: int,
                               zero: int, moonep: bool = False, tokens: int = 0, recompute: str | None = None,
                               in_flight: list[list[int]] | None = None,
-                              ffn_saved: dict[bool, int] | None = None) -> int:
+                              ffn_saved: dict[bool, int] | None = None,
+                              mixer: dict[str, tuple[int, int]] | None = None,
+                              ends: dict[str, tuple[int, int]] | None = None) -> int:
     """A lower bound on the worst rank's peak from parameters, gradients and optimizer state alone (the memory
     estimator's byte rules: parameter-dtype weights and gradients, fp32 master copies of non-fp32 weights, Muon 1
     / AdamW 2 fp32 states -- counted as Muon for all, a lower bound; owners' shares at least the mean). At ZeRO-2
@@ -219,7 +236,18 @@ def static_memory_lower_bound(facts: ParamFacts, cfg: Any, part: Any, pp: int, d
     each FFN counts what its traced sublayer keeps -- under sublayer recomputation the very bytes the estimator
     composes for it; without recomputation a part of its layer's (the same FFN ops on the same shapes, the mixer's
     output their input) -- the same for every cp, instead of one or two hidden states; the token mixer counts one
-    (its partial sum)."""
+    (its partial sum). ``mixer`` (with ``ffn_saved``, ``recompute`` ``"sublayer"``:
+    :func:`k3train.planning.memory.mixer_bytes`, ``{kind: (saved, b_peak)}`` at this cp): each token mixer counts
+    its traced piece's saved bytes, and the first backward's chunk is composed as the estimator composes it
+    (sublayers in order, the peak of each sublayer's backward on top of what the earlier ones keep; an FFN's
+    backward counted at its saved bytes): the MLA keys of every cp segment that a backward's recomputed mixer
+    gathers are in the bound, the layouts whose cp makes them too big drop out without a trace. Both may be traced
+    on one row of a micro-batch of several (the planner does: a micro-batch holds at least what one of its rows
+    holds), ``tokens`` being the whole micro-batch's. ``ends`` (with ``mixer``: :func:`k3train.planning.memory.
+    end_bytes`, ``{"embed", "head": (saved, b_peak)}``): the first chunk's embedding and the last chunk's head (the
+    MTP layer) are composed in too, as the estimator composes them. Over several stages every forward in flight also holds the
+    payload its chunk received (the cached AttnRes plan's partial sum and blocks, :func:`_recv_blocks`) until its
+    backward, as the estimator holds it: at K3's 1M context the later stages' largest term after the sublayers'."""
     from k3train.planning.memory import _layer_is_moe
 
     es = 2 if cfg.train.dtype == "bfloat16" else 4
@@ -245,11 +273,29 @@ def static_memory_lower_bound(facts: ParamFacts, cfg: Any, part: Any, pp: int, d
             fwd, first_b = {c: 1 for c in range(len(chunks))}, len(chunks) - 1
         if recompute == "chunk":
             act = (sum(fwd.values()) - 1 + 2 * (chunks[first_b][1] - chunks[first_b][0])) * h
+        elif recompute == "sublayer" and ffn_saved is not None and mixer is not None:
+            def pieces(c: int) -> list[tuple[int, int]]:
+                out = [ends["embed"]] if ends is not None and r == 0 and c == 0 else []
+                for i in range(*chunks[c]):
+                    out.append(mixer[cfg.model.layer_kind(i)])
+                    out.append((ffn_saved[_layer_is_moe(cfg, i)],) * 2)
+                if ends is not None and r == pp - 1 and c == len(chunks) - 1:
+                    out.append(ends["head"])
+                return out
+
+            saved = {c: sum(sv for sv, _ in pieces(c)) for c in set(fwd) | {first_b}}
+            prefix, b_peak = 0, 0
+            for sv, b in pieces(first_b):
+                b_peak, prefix = max(b_peak, prefix + b), prefix + sv
+            act = sum(k * saved[c] for c, k in fwd.items()) - saved[first_b] + b_peak
         elif recompute in ("sublayer", None) and ffn_saved is not None:
             act = sum(k * sum(h + ffn_saved[_layer_is_moe(cfg, i)] for i in range(*chunks[c])) for c, k in fwd.items())
         else:
             hidden = {"layer": 1, "sublayer": 2}.get(recompute, 4)
             act = hidden * sum(k * (chunks[c][1] - chunks[c][0]) for c, k in fwd.items()) * h
+        # every forward in flight (the first backward's among them) holds what it received until its backward
+        recv = _recv_blocks(part, cfg.parallel.attnres_comm)[r]
+        act += sum(k * recv[c] for c, k in fwd.items()) * h
         best = max(best, n * es + grads + opt + pool, n * es + opt + pool + act)
     return int(best)
 
