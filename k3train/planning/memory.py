@@ -607,6 +607,13 @@ def ffn_saved_bytes(cfg: Config, model: nn.Module, fake: FakeTensorMode, cache: 
     return out
 
 
+def most_keys_rank(cfg: Config) -> int:
+    """The CP rank whose MLA attends over the most key segments (:func:`mla_key_segments`): rank 0 under the
+    query balance, else the last."""
+    C = cfg.parallel.cp
+    return 0 if C == 1 or cfg.parallel.mla_cp_balance else C - 1
+
+
 def mixer_bytes(cfg: Config, model: nn.Module, fake: FakeTensorMode, cache: dict, B: int, T: int,
                 deadline: float | None = None) -> dict[str, tuple[int, int]]:
     """``{layer kind: (saved, b_peak)}`` of each token-mixer sublayer under sublayer recomputation, on the CP rank
@@ -615,8 +622,7 @@ def mixer_bytes(cfg: Config, model: nn.Module, fake: FakeTensorMode, cache: dict
     CP_TRACED_MAX from the cp line). With :func:`ffn_saved_bytes` what the planner's static bound composes a
     chunk's sublayers from: the MLA keys of all the cp segments and the KDA pairs of the group are in them."""
     reps = piece_layers(cfg)
-    C = cfg.parallel.cp
-    rank = 0 if C == 1 or cfg.parallel.mla_cp_balance else C - 1
+    rank = most_keys_rank(cfg)
     out = {}
     for kind in sorted({k[1] for k in reps if k[0] == "mixer"}):
         i = reps[("mixer", kind)]
@@ -636,8 +642,7 @@ def end_bytes(cfg: Config, model: nn.Module, fake: FakeTensorMode, cache: dict, 
     from k3train.model.model import CE_CHUNK_TOKENS
 
     L = cfg.model.num_hidden_layers
-    C = cfg.parallel.cp
-    rank = 0 if C == 1 or cfg.parallel.mla_cp_balance else C - 1
+    rank = most_keys_rank(cfg)
     moe_chunk = cfg.model.moe_token_chunk if cfg.model.num_experts > 0 else 0
     e = trace_piece(cfg, model, fake, cache, ("embed",), 0, 0, True, False, B=B, T=T, deadline=deadline)
     h = trace_piece(cfg, model, fake, cache, ("head",), L, L, False, True, None, (CE_CHUNK_TOKENS, moe_chunk), "mla",

@@ -40,7 +40,7 @@ from typing import Any
 
 from k3train.planning.devices import Device
 from k3train.planning.layouts import Layout, Validator, enumerate_layouts
-from k3train.planning.memory import TraceDeadline
+from k3train.planning.memory import TraceDeadline, end_bytes, mixer_bytes
 from k3train.planning.step_time import (ParamFacts, Prediction, compute_lower_bound, pairs_actions, predict,
                                         single_program, static_memory_lower_bound, forwards_before_first_backward)
 
@@ -207,7 +207,7 @@ class Planner:
                     # rows holds (the pieces' traces at one row serve every micro-batch size)
                     ffn = self._ffn_saved(r, ffn_memo, t_end)
                     if ffn is not None:
-                        mix = self._mixer(r, mixer_memo, t_end) if rc == "sublayer" else None
+                        mix = self._per_cp(r, mixer_bytes, mixer_memo, t_end) if rc == "sublayer" else None
                         bound_memo[kb] = static_memory_lower_bound(*args, ffn_saved=ffn, mixer=mix)
                         if mix is not None:  # the embedding and head pieces: when the layout is about to be traced
                             refine[kb] = (args, ffn, mix)
@@ -317,10 +317,8 @@ class Planner:
             try:
                 if r.bound_key in refine:  # the bound with the first and last stage's pieces (traced at this cp
                     # for the estimate anyway: the same cache entries): over the device, too big without the rest
-                    from k3train.planning.memory import end_bytes
-
                     args, ffn, mix = refine.pop(r.bound_key)
-                    ends = self._mixer(r, ends_memo, self.cache.deadline, end_bytes)
+                    ends = self._per_cp(r, end_bytes, ends_memo, self.cache.deadline)
                     if ends is None:
                         raise TraceDeadline()
                     bound_memo[r.bound_key] = static_memory_lower_bound(*args, ffn_saved=ffn, mixer=mix, ends=ends)
@@ -401,18 +399,18 @@ class Planner:
             memo[key] = self._traced(r, ffn_saved_bytes, B, T, t_end)
         return memo[key]
 
-    def _mixer(self, r: Row, memo: dict[tuple, Any], t_end: float, fn: Any = None) -> dict[str, tuple[int, int]] | None:
-        """``memory.mixer_bytes`` (or ``fn``: ``memory.end_bytes``) for one row of ``r``'s micro-batch at its cp
+    def _per_cp(self, r: Row, fn: Any, memo: dict[tuple, Any], t_end: float) -> dict[str, tuple[int, int]] | None:
+        """``fn`` (``memory.mixer_bytes`` or ``memory.end_bytes``) for one row of ``r``'s micro-batch at its cp
         (under sublayer recomputation; None where the estimator traces whole chunks, or once the plan's time is
         spent)."""
-        from k3train.planning.memory import mixer_bytes, whole_traces
+        from k3train.planning.memory import whole_traces
 
         B, T = 1, r.cfg.train.seq_len // r.layout.cp  # one row (see ``run``)
         if whole_traces(r.cfg, r.layout.mbs, T):
             return None
         key = (B, T, r.layout.cp)
         if key not in memo:
-            memo[key] = self._traced(r, fn or mixer_bytes, B, T, t_end)
+            memo[key] = self._traced(r, fn, B, T, t_end)
         return memo[key]
 
     def _traced(self, r: Row, fn: Any, B: int, T: int, t_end: float) -> Any:

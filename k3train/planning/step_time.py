@@ -237,18 +237,18 @@ def static_memory_lower_bound(facts: ParamFacts, cfg: Any, part: Any, pp: int, d
     composes for it; without recomputation a part of its layer's (the same FFN ops on the same shapes, the mixer's
     output their input) -- the same for every cp, instead of one or two hidden states; the token mixer counts one
     (its partial sum). ``mixer`` (with ``ffn_saved``, ``recompute`` ``"sublayer"``:
-    :func:`k3train.planning.memory.mixer_bytes`, ``{kind: (saved, b_peak)}`` at this cp): each token mixer counts
-    its traced piece's saved bytes, and the first backward's chunk is composed as the estimator composes it
-    (sublayers in order, the peak of each sublayer's backward on top of what the earlier ones keep; an FFN's
-    backward counted at its saved bytes): the MLA keys of every cp segment that a backward's recomputed mixer
-    gathers are in the bound, the layouts whose cp makes them too big drop out without a trace. Both may be traced
-    on one row of a micro-batch of several (the planner does: a micro-batch holds at least what one of its rows
-    holds), ``tokens`` being the whole micro-batch's. ``ends`` (with ``mixer``: :func:`k3train.planning.memory.
-    end_bytes`, ``{"embed", "head": (saved, b_peak)}``): the first chunk's embedding and the last chunk's head (the
-    MTP layer) are composed in too, as the estimator composes them. Over several stages every forward in flight also holds the
-    payload its chunk received (the cached AttnRes plan's partial sum and blocks, :func:`_recv_blocks`) until its
-    backward, as the estimator holds it: at K3's 1M context the later stages' largest term after the sublayers'."""
-    from k3train.planning.memory import _layer_is_moe
+    :func:`k3train.planning.memory.mixer_bytes`, ``{kind: (saved, b_peak)}`` at this cp): each token mixer counts its
+    traced piece's saved bytes, and the first backward's chunk is composed as the estimator composes it (sublayers in
+    order, the peak of each sublayer's backward on top of what the earlier ones keep; an FFN's backward counted at its
+    saved bytes): the MLA keys of every cp segment that a backward's recomputed mixer gathers are in the bound, the
+    layouts whose cp makes them too big drop out without a trace. Both may be traced on one row of a micro-batch of
+    several (the planner does: a micro-batch holds at least what one of its rows holds), ``tokens`` being the whole
+    micro-batch's. ``ends`` (with ``mixer``: :func:`k3train.planning.memory.end_bytes`, ``{"embed", "head": (saved,
+    b_peak)}``): the first chunk's embedding and the last chunk's head (the MTP layer) are composed in too, as the
+    estimator composes them. Over several stages every forward in flight also holds the payload its chunk received
+    (the cached AttnRes plan's partial sum and blocks, :func:`_recv_blocks`) until its backward, as the estimator
+    holds it: at K3's 1M context the later stages' largest term after the sublayers'."""
+    from k3train.planning.memory import _compose, _layer_is_moe
 
     es = 2 if cfg.train.dtype == "bfloat16" else 4
     master = 4 if es != 4 else 0
@@ -284,9 +284,7 @@ def static_memory_lower_bound(facts: ParamFacts, cfg: Any, part: Any, pp: int, d
                 return out
 
             saved = {c: sum(sv for sv, _ in pieces(c)) for c in set(fwd) | {first_b}}
-            prefix, b_peak = 0, 0
-            for sv, b in pieces(first_b):
-                b_peak, prefix = max(b_peak, prefix + b), prefix + sv
+            b_peak = _compose([(sv, 0, b) for sv, b in pieces(first_b)])[2]
             act = sum(k * saved[c] for c, k in fwd.items()) - saved[first_b] + b_peak
         elif recompute in ("sublayer", None) and ffn_saved is not None:
             act = sum(k * sum(h + ffn_saved[_layer_is_moe(cfg, i)] for i in range(*chunks[c])) for c, k in fwd.items())
