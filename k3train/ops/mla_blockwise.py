@@ -36,10 +36,11 @@ decisions are made once in forward (:func:`block_plan`) and reused by backward.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensor
 
 __all__ = ["BlockPlan", "block_plan", "blockwise_mla_attention", "skipped_share"]
 
@@ -122,6 +123,68 @@ def _expand_block(expand: ExpandFn, latent: Tensor, b: int, ks: slice, cdt: torc
     return k, v, k[0].transpose(0, 1).to(cdt), v[0].transpose(0, 1).to(cdt)
 
 
+def _shapes_only(t: Tensor) -> bool:
+    """Whether ``t`` has shape and dtype but no data: the memory estimator's trace (FakeTensorMode), which books
+    bytes only (k3train/planning/memory.py)."""
+    return isinstance(t, FakeTensor)
+
+
+def _work(plan: BlockPlan, Tq: int, Tk: int, shapes_only: bool
+          ) -> Iterator[tuple[int, int, list[tuple[int, bool]]]]:
+    """``(row, key block, [(query block, full)])`` to compute, in order. With ``shapes_only`` (fake tensors: no
+    value is computed, only bytes are booked) one key block of each kind -- its length and the set of its query
+    blocks' kinds ``(full, length)`` -- and one query block of each kind within it: every step of the loops
+    below starts from the same live tensors and leaves nothing behind (each step is a function whose locals die
+    on return; the accumulators are written in place), so a step's bytes depend on its kind alone and the
+    kinds' peaks are the whole loop's peak. At K3's 1M context this is what makes a trace of the op cost
+    milliseconds instead of minutes (up to ~10^6 block pairs per layer at cp 4)."""
+    block, seen = plan.block, set()
+    for b, row in enumerate(plan.work):
+        for j, qblocks in enumerate(row):
+            if not qblocks:
+                continue
+            if not shapes_only:
+                yield b, j, qblocks
+                continue
+            kinds: dict[tuple[bool, int], tuple[int, bool]] = {}
+            for i, full in qblocks:
+                kinds.setdefault((full, min(block, Tq - i * block)), (i, full))
+            key = (min(block, Tk - j * block), frozenset(kinds))
+            if key not in seen:
+                seen.add(key)
+                yield b, j, list(kinds.values())
+
+
+def _forward_pair(qc: Tensor, kb: Tensor, vb: Tensor, mask: Any, b: int, qs: slice, ks: slice, full: bool,
+                  m: Tensor, lsum: Tensor, acc: Tensor) -> None:
+    """One (query block, key block) step of the online softmax, in place on ``m``, ``lsum``, ``acc``."""
+    s = qc[b, :, qs] @ kb.transpose(-1, -2)  # [H, bq, n]
+    if not full:
+        s = s.masked_fill(~_block_mask(mask, b, qs, ks), float("-inf"))
+    m_old = m[b, :, qs]
+    m_new = torch.maximum(m_old, s.amax(dim=-1))
+    m_use = m_new.masked_fill(m_new == float("-inf"), 0.0)  # rows with nothing allowed yet
+    p = torch.exp(s - m_use[..., None])
+    alpha = torch.exp(m_old - m_use)
+    lsum[b, :, qs] = lsum[b, :, qs] * alpha + p.sum(dim=-1)
+    acc[b, :, qs] = acc[b, :, qs] * alpha[..., None] + p @ vb
+    m[b, :, qs] = m_new
+
+
+def _backward_pair(qc: Tensor, do: Tensor, lse: Tensor, delta: Tensor, kb: Tensor, vb: Tensor, mask: Any,
+                   b: int, qs: slice, ks: slice, full: bool, dq: Tensor, dk: Tensor, dv: Tensor) -> None:
+    """One (query block, key block) step of the backward, in place on ``dq``, ``dk``, ``dv``."""
+    qb, dob = qc[b, :, qs], do[b, :, qs]
+    s = qb @ kb.transpose(-1, -2)
+    if not full:
+        s = s.masked_fill(~_block_mask(mask, b, qs, ks), float("-inf"))
+    p = torch.exp(s - lse[b, :, qs, None])  # masked entries: exp(-inf) = 0
+    dv += p.transpose(-1, -2) @ dob
+    ds = p * (dob @ vb.transpose(-1, -2) - delta[b, :, qs, None])
+    dq[b, :, qs] += ds @ kb
+    dk += ds.transpose(-1, -2) @ qb  # qb carries the scale
+
+
 class _BlockwiseMLA(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: Tensor, latent: Tensor, mask: Any, scale: float, block: int, expand: ExpandFn,
@@ -133,27 +196,14 @@ class _BlockwiseMLA(torch.autograd.Function):
         m = torch.full((B, H, Tq), float("-inf"), dtype=cdt, device=q.device)
         lsum = torch.zeros((B, H, Tq), dtype=cdt, device=q.device)
         acc: Tensor | None = None
-        for b in range(B):
-            for j, qblocks in enumerate(plan.work[b]):
-                if not qblocks:
-                    continue
-                ks = slice(j * block, (j + 1) * block)
-                _, _, kb, vb = _expand_block(expand, latent, b, ks, cdt)  # [H, n, Dqk], [H, n, Dv]
-                if acc is None:
-                    acc = torch.zeros((B, H, Tq, vb.shape[-1]), dtype=cdt, device=q.device)
-                for i, full in qblocks:
-                    qs = slice(i * block, (i + 1) * block)
-                    s = qc[b, :, qs] @ kb.transpose(-1, -2)  # [H, bq, n]
-                    if not full:
-                        s = s.masked_fill(~_block_mask(mask, b, qs, ks), float("-inf"))
-                    m_old = m[b, :, qs]
-                    m_new = torch.maximum(m_old, s.amax(dim=-1))
-                    m_use = m_new.masked_fill(m_new == float("-inf"), 0.0)  # rows with nothing allowed yet
-                    p = torch.exp(s - m_use[..., None])
-                    alpha = torch.exp(m_old - m_use)
-                    lsum[b, :, qs] = lsum[b, :, qs] * alpha + p.sum(dim=-1)
-                    acc[b, :, qs] = acc[b, :, qs] * alpha[..., None] + p @ vb
-                    m[b, :, qs] = m_new
+        for b, j, qblocks in _work(plan, Tq, latent.shape[1], _shapes_only(q)):
+            ks = slice(j * block, (j + 1) * block)
+            _, _, kb, vb = _expand_block(expand, latent, b, ks, cdt)  # [H, n, Dqk], [H, n, Dv]
+            if acc is None:
+                acc = torch.zeros((B, H, Tq, vb.shape[-1]), dtype=cdt, device=q.device)
+            for i, full in qblocks:
+                _forward_pair(qc, kb, vb, mask, b, slice(i * block, (i + 1) * block), ks, full, m, lsum, acc)
+            del kb, vb  # not held into the next key block's expansion
         if acc is None:
             raise ValueError("blockwise MLA: no (query, key) pair is allowed (every query must see its own key)")
         out = acc / lsum[..., None]
@@ -168,8 +218,7 @@ class _BlockwiseMLA(torch.autograd.Function):
     def backward(ctx: Any, d_out: Tensor, _d_max: Tensor) -> tuple[Tensor | None, ...]:
         q, latent, out, lse = ctx.saved_tensors
         mask, scale, plan, expand, weights = ctx.mask, ctx.scale, ctx.plan, ctx.expand, ctx.weights
-        block, cdt = plan.block, out.dtype
-        B, H, Tq, _ = q.shape
+        cdt = out.dtype
         qc = q.to(cdt) * scale
         do = d_out.to(cdt)
         delta = (do * out).sum(dim=-1)  # D = rowsum(dO * O)  [B, H, Tq]
@@ -179,47 +228,46 @@ class _BlockwiseMLA(torch.autograd.Function):
         d_lat = torch.zeros(latent.shape, dtype=cdt, device=latent.device) if want_lat else None
         d_w: list[Tensor | None] = [torch.zeros(w.shape, dtype=torch.promote_types(w.dtype, cdt), device=w.device)
                                     if want else None for w, want in zip(weights, want_w)]
-        for b in range(B):
-            for j, qblocks in enumerate(plan.work[b]):
-                if not qblocks:
-                    continue
-                ks = slice(j * block, (j + 1) * block)
-                with torch.enable_grad():
-                    lat = latent[b:b + 1, ks].detach().requires_grad_(want_lat)
-                    k_raw, v_raw, kb, vb = _expand_block(expand, lat, 0, slice(None), cdt)
-                dk = torch.zeros(kb.shape, dtype=cdt, device=q.device)
-                dv = torch.zeros(vb.shape, dtype=cdt, device=q.device)
-                for i, full in qblocks:
-                    qs = slice(i * block, (i + 1) * block)
-                    qb, dob = qc[b, :, qs], do[b, :, qs]
-                    s = qb @ kb.detach().transpose(-1, -2)
-                    if not full:
-                        s = s.masked_fill(~_block_mask(mask, b, qs, ks), float("-inf"))
-                    p = torch.exp(s - lse[b, :, qs, None])  # masked entries: exp(-inf) = 0
-                    dv += p.transpose(-1, -2) @ dob
-                    ds = p * (dob @ vb.detach().transpose(-1, -2) - delta[b, :, qs, None])
-                    dq[b, :, qs] += ds @ kb.detach()
-                    dk += ds.transpose(-1, -2) @ qb  # qb carries the scale
-                # back through the block's expansion: (dK, dV) [H, n, D] -> the latent block and the weights
-                inputs = ([lat] if want_lat else []) + [w for w, want in zip(weights, want_w) if want]
-                if not inputs:
-                    continue
-                g_k = dk.transpose(0, 1)[None].to(k_raw.dtype)
-                g_v = dv.transpose(0, 1)[None].to(v_raw.dtype)
-                grads = list(torch.autograd.grad((k_raw, v_raw), inputs, (g_k, g_v), allow_unused=True))
-                if want_lat:
-                    g = grads.pop(0)
-                    if g is not None:
-                        d_lat[b:b + 1, ks] += g
-                for n, want in enumerate(want_w):
-                    if want:
-                        g = grads.pop(0)
-                        if g is not None:
-                            d_w[n] += g
+        for b, j, qblocks in _work(plan, q.shape[2], latent.shape[1], _shapes_only(q)):
+            _backward_key_block(qc, do, lse, delta, latent, mask, plan.block, expand, weights, want_w, b, j,
+                                qblocks, dq, d_lat, d_w)
         d_q = (dq * scale).to(q.dtype)
         d_latent = d_lat.to(latent.dtype) if d_lat is not None else None
         d_weights = [g.to(w.dtype) if g is not None else None for g, w in zip(d_w, weights)]
         return (d_q, d_latent, None, None, None, None, *d_weights)
+
+
+def _backward_key_block(qc: Tensor, do: Tensor, lse: Tensor, delta: Tensor, latent: Tensor, mask: Any, block: int,
+                        expand: ExpandFn, weights: Sequence[Tensor], want_w: list[bool], b: int, j: int,
+                        qblocks: list[tuple[int, bool]], dq: Tensor, d_lat: Tensor | None,
+                        d_w: list[Tensor | None]) -> None:
+    """Key block ``j`` of row ``b``: recompute its K/V under autograd, run its query blocks, then pull its
+    ``(dK, dV)`` back through ``expand`` into the latent block and the weights (in place on the accumulators)."""
+    cdt, want_lat = dq.dtype, d_lat is not None
+    ks = slice(j * block, (j + 1) * block)
+    with torch.enable_grad():
+        lat = latent[b:b + 1, ks].detach().requires_grad_(want_lat)
+        k_raw, v_raw, kb, vb = _expand_block(expand, lat, 0, slice(None), cdt)
+    dk = torch.zeros(kb.shape, dtype=cdt, device=qc.device)
+    dv = torch.zeros(vb.shape, dtype=cdt, device=qc.device)
+    for i, full in qblocks:
+        _backward_pair(qc, do, lse, delta, kb.detach(), vb.detach(), mask, b, slice(i * block, (i + 1) * block), ks,
+                       full, dq, dk, dv)
+    inputs = ([lat] if want_lat else []) + [w for w, want in zip(weights, want_w) if want]
+    if not inputs:
+        return
+    g_k = dk.transpose(0, 1)[None].to(k_raw.dtype)
+    g_v = dv.transpose(0, 1)[None].to(v_raw.dtype)
+    grads = list(torch.autograd.grad((k_raw, v_raw), inputs, (g_k, g_v), allow_unused=True))
+    if want_lat:
+        g = grads.pop(0)
+        if g is not None:
+            d_lat[b:b + 1, ks] += g
+    for n, want in enumerate(want_w):
+        if want:
+            g = grads.pop(0)
+            if g is not None:
+                d_w[n] += g
 
 
 def blockwise_mla_attention(q: Tensor, latent: Tensor, mask: Any, scale: float, block: int, expand: ExpandFn,

@@ -3,16 +3,19 @@ expanded K/V, masked_logit_max): outputs, QK-Clip maxima and every gradient (q, 
 through the MLA module the gate and all projections); block skipping; live bytes linear in T."""
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from k3train.config import ConfigError, load_config
 from k3train.model.mla import MLA, MaskInfo, attention_core, masked_logit_max
 from k3train.model.seq import SeqInfo
-from k3train.ops.mla_blockwise import block_plan, blockwise_mla_attention, skipped_share
+from k3train.ops.mla_blockwise import _work, block_plan, blockwise_mla_attention, skipped_share
+from k3train.planning.known_data import KnownData
 from k3train.planning.live_bytes import LiveBytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "model"))
@@ -244,3 +247,39 @@ def test_live_bytes_linear_in_T():
     assert bw[8192] / bw[4096] < 2.5 and bw[4096] / bw[2048] < 2.5, bw
     assert dense[2048] / dense[1024] > 3.0, dense
     assert bw[2048] < dense[2048] / 4, (bw, dense)
+
+
+def _traced_bytes(case: str, block: int, fake: bool) -> tuple[int, int, int]:
+    """(peak, saved after forward, left after backward) live bytes of the op's forward + backward, real or on
+    fake tensors under the estimator's modes (FakeTensorMode + KnownData)."""
+    m = _mla(torch.float32)
+    mask, Tq = _case(case)
+    q, lat, gy = (t.detach() for t in _inputs(m, mask, Tq, torch.float32))
+    with contextlib.ExitStack() as modes:
+        if fake:
+            mode = FakeTensorMode(allow_non_fake_inputs=True)
+            q, lat, gy = (mode.from_tensor(t) for t in (q, lat, gy))
+            modes.enter_context(mode)
+            modes.enter_context(KnownData())
+        q.requires_grad_()
+        lat.requires_grad_()
+        with LiveBytes() as lb:
+            base = lb.live
+            o, _ = blockwise_mla_attention(q, lat, mask, m.scale, block, m.expand_latent, m.expand_weights())
+            saved = lb.live - base
+            (o * gy).sum().backward()
+            return lb.peak - base, saved, lb.live - base
+
+
+@pytest.mark.parametrize("block", [4, 16])
+@pytest.mark.parametrize("case", ["packed", "single", "cp_prefix"])
+def test_fake_trace_books_what_the_real_run_holds(case, block):
+    """The estimator's trace computes one block step of each kind (``_work`` with shapes only), yet books exactly
+    the live bytes of the real run, which computes every step: peak, saved and left-over bytes equal."""
+    mask, Tq = _case(case)
+    plan = block_plan(mask, block)
+    Tk = mask.k_doc.shape[1]
+    every = sum(len(q) for *_, q in _work(plan, Tq, Tk, shapes_only=False))
+    kinds = sum(len(q) for *_, q in _work(plan, Tq, Tk, shapes_only=True))
+    assert every == plan.computed and kinds <= every and (block > 4 or kinds < every / 2), (kinds, every)
+    assert _traced_bytes(case, block, fake=True) == _traced_bytes(case, block, fake=False)
