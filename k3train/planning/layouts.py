@@ -1,7 +1,7 @@
 """Every parallel layout of a config that the project's validation accepts for a world size.
 
-A layout is ``pp, vpp, dp, cp, ep, moonep, zero, micro_batch_size, recompute, schedule`` (the global batch and
-everything else of the config stay fixed). A layout is VALID iff it passes the validation every run goes through
+A layout is ``pp, vpp, dp, cp, ep, moonep, zero, micro_batch_size, recompute, schedule, overlap_ep`` (the global
+batch and everything else of the config stay fixed). A layout is VALID iff it passes the validation every run goes through
 (``k3train.preflight.validate_run(..., for_training=False)``: ``Config.validate`` for the world size, then
 ``check_layout``: the project's partitioner and the schedule builder). :func:`enumerate_layouts` runs exactly those
 checks, with two speed-ups that change no answer: the base config is parsed once (each candidate is a copy with
@@ -12,7 +12,8 @@ tests check this against a brute force over every value).
 
 Equivalent spellings are listed once, in canonical form: ``vpp=1`` and schedule ``none`` without a pipeline
 (``build_partition`` ignores both at pp=1), the RESOLVED schedule name (``auto`` / ``interleaved`` at vpp=1 run
-1F1B, see ``resolve_schedule``), ``moonep=false`` at ep=1 (no expert parallelism, nothing for MoonEP to do).
+1F1B, see ``resolve_schedule``), ``moonep=false`` at ep=1 (no expert parallelism, nothing for MoonEP to do), ``overlap_ep=false`` where F/B
+pairing does not apply (``Config.ep_overlap``: no EP, one micro-batch, cp > 1; the runner then runs unpaired).
 
 Dimensions the user pinned on the command line (``--parallel.pp=2``, ``--train.micro_batch_size=1``, ...) are not
 enumerated.
@@ -28,7 +29,8 @@ from k3train.config import Config, ConfigError, load_config
 # layout dimension -> config key
 KEYS = {"pp": "parallel.pp", "vpp": "parallel.vpp", "dp": "parallel.dp", "cp": "parallel.cp",
         "ep": "parallel.ep", "moonep": "parallel.moonep", "zero": "parallel.zero",
-        "mbs": "train.micro_batch_size", "recompute": "parallel.recompute", "schedule": "parallel.schedule"}
+        "mbs": "train.micro_batch_size", "recompute": "parallel.recompute", "schedule": "parallel.schedule",
+        "overlap_ep": "parallel.overlap_ep"}
 SCHEDULE_NAMES = ("auto", "1f1b", "interleaved", "afab")
 
 
@@ -44,6 +46,7 @@ class Layout:
     mbs: int
     recompute: bool
     schedule: str  # resolved: '1f1b' | 'interleaved' | 'afab' | 'none' (pp = 1)
+    overlap_ep: bool = False  # F/B pairing runs (parallel.overlap_ep where Config.ep_overlap applies)
 
     def overrides(self) -> list[str]:
         """The command-line overrides that select this layout (``pp_layers`` left to the partitioner)."""
@@ -60,7 +63,7 @@ class Layout:
         s += f"v{self.vpp}" if self.vpp > 1 else ""
         s += f" dp{self.dp} cp{self.cp} ep{self.ep}{'M' if self.moonep else ''} z{self.zero} mb{self.mbs}"
         s += " rc" if self.recompute else ""
-        return s + f" {self.schedule}"
+        return s + f" {self.schedule}" + (" paired" if self.overlap_ep else "")
 
 
 def canonical(cfg: Config) -> Layout:
@@ -71,7 +74,7 @@ def canonical(cfg: Config) -> Layout:
     sched = "none" if p.pp == 1 else resolve_schedule(p.schedule, p.pp, p.vpp)
     return Layout(pp=p.pp, vpp=p.vpp if p.pp > 1 else 1, dp=p.dp, cp=p.cp, ep=p.ep,
                   moonep=bool(p.moonep) and p.ep > 1, zero=p.zero, mbs=t.micro_batch_size,
-                  recompute=bool(p.recompute), schedule=sched)
+                  recompute=bool(p.recompute), schedule=sched, overlap_ep=cfg.ep_overlap()[0])
 
 
 def divisors(n: int) -> list[int]:
@@ -152,7 +155,7 @@ class Validator:
 
 
 def _parse(dim: str, text: str) -> Any:
-    if dim in ("moonep", "recompute"):
+    if dim in ("moonep", "recompute", "overlap_ep"):
         return text.strip().lower() in ("1", "true", "yes", "on")
     if dim == "schedule":
         return text.strip()
@@ -170,7 +173,7 @@ def candidate_values(base: Config, world: int, pinned: dict[str, str]) -> dict[s
         "ep": [d for d in divisors(W) if m.num_experts == 0 or m.num_experts % d == 0],
         "mbs": divisors(t.global_batch_size),
         "zero": [0, 1, 2], "moonep": [False, True], "recompute": [False, True],
-        "schedule": list(SCHEDULE_NAMES),
+        "schedule": list(SCHEDULE_NAMES), "overlap_ep": [False, True],
     }
     for dim, text in pinned.items():
         if dim != "dp":
@@ -188,12 +191,12 @@ def _schedules_to_try(names: list[str], pp: int) -> list[str]:
 
 def layout_config(core: Config, lay: Layout) -> Config:
     """The validated config of ``lay`` from the validated config of its core (same pp..schedule): ``zero``,
-    ``moonep`` and ``recompute`` are set on a copy of the parallel section (no derived field depends on them)."""
-    import dataclasses
-
+    ``moonep``, ``recompute`` and ``overlap_ep`` are set on a copy of the parallel section (no derived field
+    depends on them)."""
     cfg = copy.copy(core)
     cfg.parallel = copy.copy(core.parallel)  # dataclasses.replace re-runs __init__: seconds at K3 scale
     cfg.parallel.zero, cfg.parallel.moonep, cfg.parallel.recompute = lay.zero, lay.moonep, lay.recompute
+    cfg.parallel.overlap_ep = lay.overlap_ep
     return cfg
 
 
@@ -202,9 +205,10 @@ def enumerate_layouts(config: str, overrides: list[str], world_size: int) -> tup
     sorted). The base config (``config`` + ``overrides``) must itself load; layout dims in ``overrides`` pin.
 
     The core ``(pp, vpp, dp, cp, ep, micro_batch_size, schedule)`` is validated (``Validator.check``); ``zero``,
-    ``moonep`` and ``recompute`` are then every value validation accepts for them -- ``Config.validate`` checks
-    them for membership only, independent of everything else (the tests check the product against
-    ``Validator.check`` of every full combination). The configs of one core share their model/train sections."""
+    ``moonep``, ``recompute`` and ``overlap_ep`` are then every value validation accepts for them --
+    ``Config.validate`` checks them for membership only, independent of everything else (the tests check the
+    product against ``Validator.check`` of every full combination); ``overlap_ep`` only where pairing applies to
+    the core (``Config.ep_overlap``). The configs of one core share their model/train sections."""
     base = load_config(config, overrides)
     pinned = pinned_dims(overrides)
     vals = candidate_values(base, world_size, pinned)
@@ -239,17 +243,21 @@ def enumerate_layouts(config: str, overrides: list[str], world_size: int) -> tup
                             except (ConfigError, ValueError):
                                 continue
                             c0 = canonical(core)
+                            core.parallel.overlap_ep = True  # (a fresh copy per check) does pairing apply here?
+                            pairable = core.ep_overlap()[0]
                             for zero in ok_zero:
                                 for moonep in (vals["moonep"] if ep > 1 else [False]):
                                     for rc in vals["recompute"]:
-                                        lay = Layout(c0.pp, c0.vpp, c0.dp, c0.cp, c0.ep, moonep, zero, c0.mbs, rc,
-                                                     c0.schedule)
-                                        if lay not in seen:
-                                            seen[lay] = layout_config(core, lay)
+                                        for ov in (vals["overlap_ep"] if pairable else [False]):
+                                            lay = Layout(c0.pp, c0.vpp, c0.dp, c0.cp, c0.ep, moonep, zero, c0.mbs,
+                                                         rc, c0.schedule, ov)
+                                            if lay not in seen:
+                                                seen[lay] = layout_config(core, lay)
     # the dataclass order (field tuples), as a key: a million rich comparisons of dataclasses cost seconds
     return sorted(seen.items(), key=lambda x: astuple_fast(x[0])), checked
 
 
 def astuple_fast(lay: Layout) -> tuple:
     """``dataclasses.astuple(lay)`` without its recursive deep copy (Layout holds scalars only)."""
-    return (lay.pp, lay.vpp, lay.dp, lay.cp, lay.ep, lay.moonep, lay.zero, lay.mbs, lay.recompute, lay.schedule)
+    return (lay.pp, lay.vpp, lay.dp, lay.cp, lay.ep, lay.moonep, lay.zero, lay.mbs, lay.recompute, lay.schedule,
+            lay.overlap_ep)

@@ -6,11 +6,13 @@ Order of work (cheapest first, every skip exact):
 2. Static memory bound (:func:`step_time.static_memory_lower_bound`: weights + gradients + optimizer state, or
    weights + optimizer state + the hidden-state partial sums of each forward the schedule runs before a rank's
    first backward; with micro-batches composed per piece and sublayer or no recomputation, each FFN counts its
-   traced piece's bytes instead, :func:`memory.ffn_saved_bytes`, traced once for every cp, and under sublayer
-   recomputation each token mixer its piece's, :func:`memory.mixer_bytes`, traced per cp -- a line in the cp above
-   16 -- and the embedding and head pieces, :func:`memory.end_bytes`, with the first backward's peak composed as
-   the estimator composes it; over several stages each forward's received AttnRes payload) above the device
-   memory: infeasible, no trace (``fits: false, skipped: 'bound'``).
+   traced piece's bytes instead, :func:`memory.ffn_saved_bytes`, traced once for every cp; over several stages
+   each forward's received AttnRes payload) above the device memory: infeasible, no trace (``fits: false,
+   skipped: 'bound'``). Refined lazily, the same bound, under sublayer recomputation: when a layout first comes
+   up (3.), each token mixer counts its piece's bytes, :func:`memory.mixer_bytes`, traced per cp (a line in the
+   cp above 16) only for the cps of layouts that come up, with the first backward's peak composed as the
+   estimator composes it; when it comes up for a trace (4.), the embedding and head pieces,
+   :func:`memory.end_bytes`, too.
 3. Step-time lower bound (:func:`step_time.compute_lower_bound`) for the rest; best first: a layout enters a
    queue at its lower bound, is simulated (:func:`step_time.predict`) when it reaches the front and re-enters at
    its prediction, so layouts are traced (4.) in predicted order, each only when no layout not yet traced can be
@@ -185,6 +187,7 @@ class Planner:
         ffn_memo: dict[tuple, dict[bool, int] | None] = {}  # (row tokens, recompute) -> memory.ffn_saved_bytes
         mixer_memo: dict[tuple, dict[str, tuple[int, int]] | None] = {}  # (row tokens, cp) -> memory.mixer_bytes
         ends_memo: dict[tuple, dict[str, tuple[int, int]] | None] = {}  # (row tokens, cp) -> memory.end_bytes
+        mixer_refine: dict[tuple, tuple] = {}  # bound key -> what the bound with the token mixers' pieces reads
         refine: dict[tuple, tuple] = {}  # bound key -> what the bound with the end pieces reads
         for r in rows:
             part = val.partition(r.cfg)
@@ -202,15 +205,14 @@ class Planner:
                 bound_memo[kb] = static_memory_lower_bound(*args)
                 if bound_memo[kb] <= self.dev.hbm_bytes and (rc is None and L.mbs == 1 or rc == "sublayer"):
                     # within the bound on one hidden state per FFN: count the FFN's traced bytes (once per row
-                    # length, every cp alike) and, under sublayer recomputation, the token mixers' (per cp; a line
-                    # in the cp above 16) -- of ONE row: a micro-batch of several holds at least what one of its
-                    # rows holds (the pieces' traces at one row serve every micro-batch size)
+                    # length, every cp alike) -- of ONE row: a micro-batch of several holds at least what one of its
+                    # rows holds (the pieces' traces at one row serve every micro-batch size); under sublayer
+                    # recomputation the token mixers' pieces (per cp) when the layout first comes up (below)
                     ffn = self._ffn_saved(r, ffn_memo, t_end)
                     if ffn is not None:
-                        mix = self._per_cp(r, mixer_bytes, mixer_memo, t_end) if rc == "sublayer" else None
-                        bound_memo[kb] = static_memory_lower_bound(*args, ffn_saved=ffn, mixer=mix)
-                        if mix is not None:  # the embedding and head pieces: when the layout is about to be traced
-                            refine[kb] = (args, ffn, mix)
+                        bound_memo[kb] = static_memory_lower_bound(*args, ffn_saved=ffn)
+                        if rc == "sublayer":
+                            mixer_refine[kb] = (args, ffn)
             r.bound_key = kb
             r.mem_bound = bound_memo[kb]
             if r.mem_bound > self.dev.hbm_bytes:
@@ -221,13 +223,6 @@ class Planner:
                          f"optimizer state, or weights + optimizer state + the partial sums of each forward before "
                          f"the first backward (under sublayer recomputation: what each FFN sublayer's traced piece "
                          f"keeps), alone: dropped without a trace")
-        if mixer_memo:
-            self.log("token-mixer bytes per micro-batch row (saved / backward peak, GiB; at the CP rank with the "
-                     "most MLA keys): " + "; ".join(
-                         f"{b} x {t} tokens, cp {cp}: "
-                         + ("budget spent" if v is None else ", ".join(
-                             f"{k} {v[k][0] / 2**30:.2f} / {v[k][1] / 2**30:.2f}" for k in sorted(v)))
-                         for (b, t, cp), v in sorted(mixer_memo.items())))
         if ffn_memo:
             self.log("FFN bytes kept per micro-batch row (traced once for every cp; GiB, dense / MoE): " + "; ".join(
                 f"{b} x {t} tokens{', recompute' if rc else ''}: "
@@ -244,7 +239,7 @@ class Planner:
         fitting: list[float] = []
         fits_norc: set[Layout] = set()
         t_sim = t_mem = 0.0
-        n_traced = n_late = 0
+        n_traced = n_late = n_mixer = 0
         by_layout = {r.layout: r for r in live}
         families: dict[tuple, list[Row]] = {}
         siblings: dict[tuple, list[Row]] = {}  # same dims and memory knobs, another vpp / schedule
@@ -283,6 +278,21 @@ class Planner:
                 seen.add(lay)
                 r.skipped = "dominated"
                 continue
+            if r.bound_key in mixer_refine:  # first up: the bound with the token mixers' traced pieces at its cp
+                # (a line in the cp above 16), the first backward's chunk composed as the estimator composes it --
+                # traced for the cps of the layouts that come up, not for every cp of the space
+                args, ffn = mixer_refine.pop(r.bound_key)
+                mix = self._per_cp(r, mixer_bytes, mixer_memo, t_end)
+                if mix is not None:
+                    bound_memo[r.bound_key] = static_memory_lower_bound(*args, ffn_saved=ffn, mixer=mix)
+                    refine[r.bound_key] = (args, ffn, mix)  # the end pieces: when it is about to be traced
+            if bound_memo[r.bound_key] != r.mem_bound:
+                r.mem_bound = bound_memo[r.bound_key]
+                if r.mem_bound > self.dev.hbm_bytes:
+                    seen.add(lay)
+                    r.fits, r.skipped = False, "bound"
+                    n_mixer += 1
+                    continue
             if r.pred is None:
                 if not self.exhaustive and t_sim > self.sim_budget_s:
                     seen.add(lay)
@@ -352,6 +362,13 @@ class Planner:
                     urgent.extendleft(reversed([t for t in siblings[_sibling_key(lay)] if t.layout not in seen]))
             elif not self.exhaustive:
                 self._too_big_follow_ups(r, by_layout, seen, urgent, families)
+        if mixer_memo:
+            self.log("token-mixer bytes per micro-batch row (saved / backward peak, GiB; at the CP rank with the "
+                     "most MLA keys): " + "; ".join(
+                         f"{b} x {t} tokens, cp {cp}: "
+                         + ("budget spent" if v is None else ", ".join(
+                             f"{k} {v[k][0] / 2**30:.2f} / {v[k][1] / 2**30:.2f}" for k in sorted(v)))
+                         for (b, t, cp), v in sorted(mixer_memo.items())))
         if self.lt is not None:
             self.lt.save()
         why = {
@@ -369,6 +386,10 @@ class Planner:
             "time budget": f"layouts not simulated or traced: the plan's time budget ({self.time_budget_s:.0f} s, "
                            "enumeration included) spent",
         }
+        if n_mixer:
+            notes.append(f"{n_mixer} layouts exceed {self.dev.hbm_bytes / 2**30:.1f} GiB on that bound with their "
+                         f"token mixers' pieces (traced at a layout's cp when the first layout of that cp came up): "
+                         f"dropped without a simulation")
         if n_late:
             notes.append(f"{n_late} layouts exceed {self.dev.hbm_bytes / 2**30:.1f} GiB on that bound with the first "
                          f"and last stages' pieces (the embedding, the LM head + MTP layer: traced at a layout's cp "
@@ -452,10 +473,12 @@ class Planner:
                     and t != lay):
                 seen.add(t)
                 twin.fits, twin.skipped = False, "needs more memory than a layout traced too big"
-        # examined next, depth first (each holds less per rank than ``lay``): the recompute twin, then half the
+        # examined next, depth first (each holds less per rank than ``lay``): the unpaired twin (F/B pairing keeps
+        # one more forward in flight and two computes' transients at once), the recompute twin, then half the
         # micro-batch, twice the ep, one ZeRO stage more, twice the cp (half the dp) -- a descent to the memory
         # limit instead of the step-time order's walk through ever more layouts of the same too-big kind
-        steps = [replace(lay, recompute=True)] if not lay.recompute else []
+        steps = [replace(lay, overlap_ep=False)] if lay.overlap_ep else []
+        steps += [replace(lay, recompute=True)] if not lay.recompute else []
         if lay.mbs % 2 == 0:
             steps.append(replace(lay, mbs=lay.mbs // 2))
         steps.append(replace(lay, ep=lay.ep * 2))
@@ -486,17 +509,17 @@ class Planner:
 
 def _family(lay: Layout) -> tuple:
     """Layouts whose per-rank memory orders by (zero, micro-batch, cp, ep) alone (``_too_big_follow_ups``)."""
-    return (lay.pp, lay.vpp, lay.schedule, lay.recompute, lay.moonep)
+    return (lay.pp, lay.vpp, lay.schedule, lay.recompute, lay.moonep, lay.overlap_ep)
 
 
 def _sibling_key(lay: Layout) -> tuple:
     """Layouts that differ only in vpp and schedule (``Planner.run``: examined after one of them fits)."""
-    return (lay.pp, lay.dp, lay.cp, lay.ep, lay.moonep, lay.zero, lay.mbs, lay.recompute)
+    return (lay.pp, lay.dp, lay.cp, lay.ep, lay.moonep, lay.zero, lay.mbs, lay.recompute, lay.overlap_ep)
 
 
 def _core(r: Row) -> tuple:
     L = r.layout
-    return (L.pp, L.vpp, L.dp, L.cp, L.ep, L.mbs, L.recompute)
+    return (L.pp, L.vpp, L.dp, L.cp, L.ep, L.mbs, L.recompute, L.overlap_ep)
 
 
 def _predicted_fits(planner: "Planner", res: PlanResult, r: Row, predict_one: Any) -> bool:

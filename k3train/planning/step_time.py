@@ -205,6 +205,51 @@ def _flight_counts(flight: list[int]) -> tuple[dict[int, int], int]:
     return _MEMO[key][0]
 
 
+def _chunk_layers(cfg: Any, part: Any, ep: int, facts: ParamFacts) -> list[list[tuple[int, int, tuple]]]:
+    """Per pipeline rank, per local chunk: ``(layers, MoE layers, ((layer kind, is MoE), ...) in order)`` --
+    what the activation terms of :func:`static_memory_lower_bound` read of a chunk (memoised per partition)."""
+    from k3train.planning.memory import _layer_is_moe
+
+    key = ("chunk_layers", id(part), id(cfg.model))
+    if key not in _MEMO:
+        out = []
+        for _, _, _, chunks in _stage_terms(facts, part, ep):
+            row = []
+            for a, b in chunks:
+                seq = tuple((cfg.model.layer_kind(i), _layer_is_moe(cfg, i)) for i in range(a, b))
+                row.append((b - a, sum(moe for _, moe in seq), seq))
+            out.append(row)
+        _MEMO[key] = (out, part, cfg.model)
+    return _MEMO[key][0]
+
+
+def _pool_numel(facts: ParamFacts) -> float:
+    """The largest MoE layer's expert numel (MoonEP's replica pool holds two banks of its local experts)."""
+    key = ("pool", id(facts))
+    if key not in _MEMO:
+        _MEMO[key] = (max((v[1] for v in facts.pieces.values()), default=0.0), facts)
+    return _MEMO[key][0]
+
+
+def _sublayer_pieces(seq: tuple, mixer: dict[str, tuple[int, int]], ffn_saved: dict[bool, int],
+                     embed: tuple[int, int] | None, head: tuple[int, int] | None) -> tuple[int, int]:
+    """``(saved, backward peak)`` of one chunk's sublayer pieces in order (the estimator's composition, memoised
+    by the pieces' bytes: the planner bounds a million layouts over a few thousand distinct chunks)."""
+    key = ("sublayer", seq, tuple(sorted(mixer.items())), tuple(sorted(ffn_saved.items())), embed, head)
+    if key not in _MEMO:
+        from k3train.planning.memory import _compose
+
+        pieces = [embed] if embed is not None else []
+        for kind, moe in seq:
+            pieces.append(mixer[kind])
+            pieces.append((ffn_saved[moe],) * 2)
+        if head is not None:
+            pieces.append(head)
+        saved, _, b_peak = _compose([(sv, 0, b) for sv, b in pieces])
+        _MEMO[key] = (saved, b_peak)
+    return _MEMO[key]
+
+
 def static_memory_lower_bound(facts: ParamFacts, cfg: Any, part: Any, pp: int, dpcp: int, ep: int,
                               zero: int, moonep: bool = False, tokens: int = 0, recompute: str | None = None,
                               in_flight: list[list[int]] | None = None,
@@ -248,16 +293,15 @@ def static_memory_lower_bound(facts: ParamFacts, cfg: Any, part: Any, pp: int, d
     estimator composes them. Over several stages every forward in flight also holds the payload its chunk received
     (the cached AttnRes plan's partial sum and blocks, :func:`_recv_blocks`) until its backward, as the estimator
     holds it: at K3's 1M context the later stages' largest term after the sublayers'."""
-    from k3train.planning.memory import _compose, _layer_is_moe
-
     es = 2 if cfg.train.dtype == "bfloat16" else 4
     master = 4 if es != 4 else 0
     edp = max(1, dpcp // ep)
     pool = 0.0
     if moonep and ep > 1:
-        pool = 2 * max((v[1] for v in facts.pieces.values()), default=0.0) / ep * es
+        pool = 2 * _pool_numel(facts) / ep * es
     best = 0.0
     h = tokens * cfg.model.hidden_size * es
+    layers_of = _chunk_layers(cfg, part, ep, facts)
     for r, (d, e, chunk, chunks) in enumerate(_stage_terms(facts, part, ep)):
         n = d + e
         if zero < 2:
@@ -274,20 +318,20 @@ def static_memory_lower_bound(facts: ParamFacts, cfg: Any, part: Any, pp: int, d
         if recompute == "chunk":
             act = (sum(fwd.values()) - 1 + 2 * (chunks[first_b][1] - chunks[first_b][0])) * h
         elif recompute == "sublayer" and ffn_saved is not None and mixer is not None:
-            def pieces(c: int) -> list[tuple[int, int]]:
-                out = [ends["embed"]] if ends is not None and r == 0 and c == 0 else []
-                for i in range(*chunks[c]):
-                    out.append(mixer[cfg.model.layer_kind(i)])
-                    out.append((ffn_saved[_layer_is_moe(cfg, i)],) * 2)
-                if ends is not None and r == pp - 1 and c == len(chunks) - 1:
-                    out.append(ends["head"])
-                return out
+            def pieces(c: int) -> tuple[int, int]:  # (saved, backward peak) of chunk c's pieces
+                embed = ends["embed"] if ends is not None and r == 0 and c == 0 else None
+                head = ends["head"] if ends is not None and r == pp - 1 and c == len(chunks) - 1 else None
+                return _sublayer_pieces(layers_of[r][c][2], mixer, ffn_saved, embed, head)
 
-            saved = {c: sum(sv for sv, _ in pieces(c)) for c in set(fwd) | {first_b}}
-            b_peak = _compose([(sv, 0, b) for sv, b in pieces(first_b)])[2]
-            act = sum(k * saved[c] for c, k in fwd.items()) - saved[first_b] + b_peak
+            saved = {c: pieces(c)[0] for c in set(fwd) | {first_b}}
+            act = sum(k * saved[c] for c, k in fwd.items()) - saved[first_b] + pieces(first_b)[1]
         elif recompute in ("sublayer", None) and ffn_saved is not None:
-            act = sum(k * sum(h + ffn_saved[_layer_is_moe(cfg, i)] for i in range(*chunks[c])) for c, k in fwd.items())
+            def kept(c: int) -> int:  # one hidden state per mixer, the traced bytes per FFN
+                n_layers, n_moe, _ = layers_of[r][c]
+                return (n_layers * h + (n_moe * ffn_saved[True] if n_moe else 0)
+                        + ((n_layers - n_moe) * ffn_saved[False] if n_layers > n_moe else 0))
+
+            act = sum(k * kept(c) for c, k in fwd.items())
         else:
             hidden = {"layer": 1, "sublayer": 2}.get(recompute, 4)
             act = hidden * sum(k * (chunks[c][1] - chunks[c][0]) for c, k in fwd.items()) * h
@@ -966,15 +1010,12 @@ def compute_lower_bound(cfg: Any, lay: Any, part: Any, dev: Device, facts: Param
     """A lower bound on :func:`predict`: the busiest pipeline rank's own work (at the best rate its replicas
     allow) or one micro-batch's forward + backward chain through all virtual stages, whichever is longer, plus
     the worst stage's optimizer share. Used to skip simulating layouts that cannot make the top."""
-    from parallel.pipeline.attnres_comm import AttnResCommPlan
-
     M = cfg.train.grad_accum_steps
     # memoised: the busy part does not depend on zero, the optimizer part not on the micro-batch shape
     kb = ("lb", id(part), lay.mbs, lay.cp, lay.ep, lay.moonep, lay.recompute, M, id(dev), id(layer_times), skew,
           pairs_actions(cfg))
     if kb not in _MEMO:
-        plan = AttnResCommPlan(part, cfg.parallel.attnres_comm) if lay.pp > 1 else None
-        c = action_costs(cfg, dev, lay, part, plan, layer_times, skew)
+        c = action_costs(cfg, dev, lay, part, None, layer_times, skew)  # (no messages: the bound reads none)
         hide = 0.0 if pairs_actions(cfg) else 1.0  # paired F/B: the in-action communication may be hidden
         busy = max(sum(c.f[v] + c.b[v] + hide * (c.f_comm[v] + c.b_comm[v]) for v in part.local_stages(r)) * M
                    for r in range(lay.pp))

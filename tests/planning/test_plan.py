@@ -39,18 +39,21 @@ def test_enumeration_is_exactly_the_valid_layouts():
     for pp, dp, cp, ep in itertools.product(range(1, W + 2), repeat=4):
         if pp * dp * cp != W:  # rejected by Config.validate's first layout check (asserted below)
             continue
-        for vpp, mbs, sched, zero, moonep, rc in itertools.product(
+        for vpp, mbs, sched, zero, moonep, rc, ov in itertools.product(
                 range(1, 6), range(1, base.train.global_batch_size + 1),  # vpp > 4 never fits 8 layers at pp=2
-                ("auto", "1f1b", "interleaved", "afab"), (0, 1, 2), (False, True), (False, True)):
+                ("auto", "1f1b", "interleaved", "afab"), (0, 1, 2), (False, True), (False, True), (False, True)):
             try:
                 cfg = v.check(dict(pp=pp, vpp=vpp, dp=dp, cp=cp, ep=ep, mbs=mbs, schedule=sched, zero=zero,
-                                   moonep=moonep, recompute=rc))
+                                   moonep=moonep, recompute=rc, overlap_ep=ov))
             except ValueError:  # ConfigError / ParallelConfigError
                 continue
             want.add(canonical(cfg))
     with pytest.raises(ValueError):
         v.check(dict(pp=1, dp=1, cp=1))
     assert got == want
+    # F/B pairing is a dimension where it applies (EP, several micro-batches, no CP), off elsewhere
+    assert {lay.overlap_ep for lay in got} == {False, True}
+    assert all(not lay.overlap_ep for lay in got if lay.ep == 1 or lay.cp > 1)
     # every listed layout passes the real run validation, spelled as its command-line overrides
     for lay in sorted(got)[:: max(1, len(got) // 60)]:
         cfg = validate_run(TINY, lay.overrides(), W, for_training=False)
@@ -426,3 +429,25 @@ def test_static_bound_counts_the_traced_ffn_bytes(monkeypatch, recompute, mbs, p
                 assert row.mem_bound == tight and (row.skipped == "bound") == dropped, (row, hbm)
                 assert (row.peak_bytes is None) == dropped and (row.peak_bytes or peak) == peak, row
                 assert any("over its bound with the embedding and head pieces" in x for x in lines) == dropped
+
+
+def test_planner_chooses_pairing_per_layout():
+    """F/B pairing (``parallel.overlap_ep``) is a layout dimension where it applies: one layout planned paired and
+    unpaired, the paired one holding one more forward in flight; on a device with room for the unpaired peak only,
+    the unpaired layout is the one that fits."""
+    from k3train.planning.plan import EstimateCache, Planner
+
+    pins = ["--parallel.pp=1", "--parallel.dp=2", "--parallel.cp=1", "--parallel.ep=2", "--parallel.moonep=false",
+            "--parallel.zero=1", "--parallel.recompute=false", "--train.micro_batch_size=1",
+            "--train.global_batch_size=4", f"--data.path={shipped_view('corpus_text_document')}"]
+    cache = EstimateCache()
+    res = Planner(TINY, pins, 2, _h100(), exhaustive=True, log=lambda *a: None, cache=cache).run()
+    rows = {r.layout.overlap_ep: r for r in res.rows}
+    assert set(rows) == {False, True} and len(res.rows) == 2
+    on, off = rows[True], rows[False]
+    assert on.layout.short().endswith(" paired") and "--parallel.overlap_ep=true" in on.layout.overrides()
+    assert on.fits and off.fits and on.peak_bytes > off.peak_bytes, (on.peak_bytes, off.peak_bytes)
+    assert on.pred.step_s != off.pred.step_s  # two programs simulated
+    tight = Planner(TINY, pins, 2, _h100(hbm_bytes=off.peak_bytes), exhaustive=True, log=lambda *a: None,
+                    cache=cache).run()
+    assert [r.layout.overlap_ep for r in tight.ranked()] == [False]
