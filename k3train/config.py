@@ -710,14 +710,17 @@ class Config:
     def ep_overlap(self) -> tuple[bool, str]:
         """Whether ``parallel.overlap_ep`` pairs the forward of micro-batch m+1 with the backward of micro-batch m
         in this run (validated config), and why not when it does not (for the log line)."""
-        m, p, t = self.model, self.parallel, self.train
-        why = ("parallel.overlap_ep=false" if not p.overlap_ep
-               else "no expert parallelism (ep = 1 or no routed experts)" if p.ep == 1 or m.num_experts == 0
-               else "one micro-batch per step" if t.grad_accum_steps < 2
-               else "context parallelism (cp > 1): its collectives are not split by side" if p.cp > 1
-               else "train.objective=eagle3 runs its own step" if t.objective != "lm"
-               else "")
+        why = "parallel.overlap_ep=false" if not self.parallel.overlap_ep else self.pairing_blocker()
         return not why, why
+
+    def pairing_blocker(self) -> str:
+        """Why F/B pairing cannot apply to this layout whatever ``parallel.overlap_ep`` says ("" when it can)."""
+        m, p, t = self.model, self.parallel, self.train
+        return ("no expert parallelism (ep = 1 or no routed experts)" if p.ep == 1 or m.num_experts == 0
+                else "one micro-batch per step" if t.grad_accum_steps < 2
+                else "context parallelism (cp > 1): its collectives are not split by side" if p.cp > 1
+                else "train.objective=eagle3 runs its own step" if t.objective != "lm"
+                else "")
 
     def to_dict(self) -> dict[str, Any]:
         """Settable fields per section, plus a ``derived`` section (ignored when loaded back)."""

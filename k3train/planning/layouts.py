@@ -243,8 +243,7 @@ def enumerate_layouts(config: str, overrides: list[str], world_size: int) -> tup
                             except (ConfigError, ValueError):
                                 continue
                             c0 = canonical(core)
-                            core.parallel.overlap_ep = True  # (a fresh copy per check) does pairing apply here?
-                            pairable = core.ep_overlap()[0]
+                            pairable = not core.pairing_blocker()
                             for zero in ok_zero:
                                 for moonep in (vals["moonep"] if ep > 1 else [False]):
                                     for rc in vals["recompute"]:

@@ -205,7 +205,7 @@ def _flight_counts(flight: list[int]) -> tuple[dict[int, int], int]:
     return _MEMO[key][0]
 
 
-def _chunk_layers(cfg: Any, part: Any, ep: int, facts: ParamFacts) -> list[list[tuple[int, int, tuple]]]:
+def _chunk_layers(cfg: Any, part: Any) -> list[list[tuple[int, int, tuple]]]:
     """Per pipeline rank, per local chunk: ``(layers, MoE layers, ((layer kind, is MoE), ...) in order)`` --
     what the activation terms of :func:`static_memory_lower_bound` read of a chunk (memoised per partition)."""
     from k3train.planning.memory import _layer_is_moe
@@ -213,9 +213,9 @@ def _chunk_layers(cfg: Any, part: Any, ep: int, facts: ParamFacts) -> list[list[
     key = ("chunk_layers", id(part), id(cfg.model))
     if key not in _MEMO:
         out = []
-        for _, _, _, chunks in _stage_terms(facts, part, ep):
+        for r in range(part.pp):
             row = []
-            for a, b in chunks:
+            for a, b in part.local_chunks(r):
                 seq = tuple((cfg.model.layer_kind(i), _layer_is_moe(cfg, i)) for i in range(a, b))
                 row.append((b - a, sum(moe for _, moe in seq), seq))
             out.append(row)
@@ -301,7 +301,7 @@ def static_memory_lower_bound(facts: ParamFacts, cfg: Any, part: Any, pp: int, d
         pool = 2 * _pool_numel(facts) / ep * es
     best = 0.0
     h = tokens * cfg.model.hidden_size * es
-    layers_of = _chunk_layers(cfg, part, ep, facts)
+    layers_of = _chunk_layers(cfg, part)
     for r, (d, e, chunk, chunks) in enumerate(_stage_terms(facts, part, ep)):
         n = d + e
         if zero < 2:
