@@ -183,6 +183,10 @@ class ParallelConfig:
     # micro-batch per step, cp = 1; at pp > 1 the adjacent F/B computes of each rank's program are paired, see
     # parallel/pipeline/p2p_programs.py: pair_programs); elsewhere this setting changes nothing
     overlap_ep: bool = True
+    # the routed experts' backward under EP computes the input gradients first, sends them home by all-to-all and
+    # computes the weight gradients while they travel (Megatron's delayed wgrad; moonep/dispatcher.py); results are
+    # bit-identical to false
+    expert_wgrad_split: bool = True
     attnres_comm: str = "cached"  # "cached" | "full"
     schedule: str = "auto"  # "auto" (interleaved 1F1B if vpp > 1 else 1F1B) | "1f1b" | "interleaved" | "afab"
     pp_layers: list[int] = field(default_factory=list)  # explicit layers per virtual stage (pp*vpp entries)

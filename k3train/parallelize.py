@@ -244,7 +244,8 @@ def parallelize(cfg: Config, dims: ParallelDims, device: torch.device) -> Parall
         from moonep import apply_expert_parallel
 
         paired, why_not = cfg.ep_overlap()  # parallel.overlap_ep: F/B pairing (parallel/pairing.py)
-        ep_state = apply_expert_parallel(runner.modules, dims, moonep=cfg.parallel.moonep, paired=paired)
+        ep_state = apply_expert_parallel(runner.modules, dims, moonep=cfg.parallel.moonep, paired=paired,
+                                         split_wgrad=cfg.parallel.expert_wgrad_split)
         log_moe_layers(runner.modules, dims, cfg.parallel.moonep)
         if paired:
             runner.enable_pairing(dims.rank)

@@ -24,7 +24,9 @@ the previous layer's backward fetched them ahead), overlapped with the reverse a
 then the replicas of the MoE layer whose backward comes next start travelling into the other bank; replica FFN
 backward first, whose weight grads start travelling home (:mod:`moonep.grad_reduce`, in rounds with a bounded
 receive buffer) while the own-expert backward runs; the input grads go back by all-to-all, overlapped with the
-reduce-back; the owner adds the replica grads to its shard grads. Nothing of the replicas is kept from forward to
+reduce-back and -- ``split_wgrad`` (``parallel.expert_wgrad_split``, Megatron's delayed wgrad) -- with the own
+experts' weight-gradient matmuls, computed after the input gradient has left (:func:`k3train.model.moe.
+expert_input_grad`; without it they are computed before); the owner adds the replica grads to its shard grads. Nothing of the replicas is kept from forward to
 backward but the replica FFN's activations (graph mode), whose saved weights point into the pool by reference.
 
 Shapes: with MoonEP every rank computes exactly ``N*k`` rows (equal ``N``), whatever the routing; without it the
@@ -71,6 +73,11 @@ def _grouped_ffn() -> Any:
     return grouped_expert_ffn
 
 
+def _expert_input_grad() -> Any:
+    from k3train.model.moe import expert_input_grad
+    return expert_input_grad
+
+
 @dataclass
 class EPSide:
     """What one side of F/B pairing (:mod:`parallel.pairing`) communicates with: its EP group, its replica-weight
@@ -102,13 +109,15 @@ class EPDispatcher:
     forward order (a layer prefetches the replicas of ``order - 1`` of its chunk for the backward that follows its
     own); ``name``: the layer's FQN for metrics; ``impl``: ``grouped_expert_ffn``'s implementation;
     ``pair_side``: the resources of side 1 (:class:`EPSide`) for F/B pairing. Each call and each backward uses
-    the side of the thread running it (:func:`parallel.pairing.current_side`).
+    the side of the thread running it (:func:`parallel.pairing.current_side`). ``split_wgrad``: the own experts'
+    weight gradients are computed while the input gradients' all-to-all travels (module docstring); the results
+    are the same either way.
     """
 
     def __init__(self, *, num_experts: int, ep_group: Any, ep_ranks: list[int], ep_rank: int, moonep: bool = True,
                  weight_group: Any = None, buffers: CommBuffers | None = None, name: str = "",
                  impl: str = "auto", pool: ReplicaPool | None = None, chunk: int = 0, order: int = 0,
-                 pair_side: EPSide | None = None) -> None:
+                 pair_side: EPSide | None = None, split_wgrad: bool = True) -> None:
         if num_experts % len(ep_ranks) != 0:
             raise ValueError(f"EPDispatcher: num_experts={num_experts} not divisible by ep={len(ep_ranks)}")
         self.num_experts, self.ep, self.ep_rank = num_experts, len(ep_ranks), ep_rank
@@ -119,6 +128,7 @@ class EPDispatcher:
         self.buffers = buffers if buffers is not None else CommBuffers()
         self.pool = pool if pool is not None else ReplicaPool()
         self.chunk, self.order = chunk, order
+        self.split_wgrad = split_wgrad
         self.metrics = LayerMetrics()
         self.last_plan: Plan | None = None
         self.sides = [EPSide(self.ep_group, self.weight_group, self.buffers, self.pool)]
@@ -157,18 +167,23 @@ class EPDispatcher:
 
     # ------------------------------------------------------------------------------------------------------------
     def _ffn(self, x: torch.Tensor, offsets: torch.Tensor, weights: tuple[torch.Tensor, ...], act: tuple,
-             grad: bool) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+             grad: bool) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor, Any]:
         """Run the grouped FFN on detached leaves (an inner graph the Function's backward differentiates).
 
-        Returns ``(x_leaf, weight_leaves, y)``; empty ``x`` skips the FFN (its backward is zero)."""
+        Returns ``(x_leaf, weight_leaves, y, cut)`` (``cut``: the ``DownCut`` of a split backward, or None);
+        empty ``x`` skips the FFN (its backward is zero)."""
+        from k3train.model.moe import DownCut
+
         x_leaf = x.detach().requires_grad_(grad)
         w_leaves = [w.detach().requires_grad_(grad) for w in weights]
         if x.shape[0] == 0:
-            return x_leaf, w_leaves, x.new_zeros(0, weights[2].shape[-1])
+            return x_leaf, w_leaves, x.new_zeros(0, weights[2].shape[-1]), None
+        cut = DownCut() if grad and self.split_wgrad else None
         with torch.enable_grad() if grad else contextlib.nullcontext():
             # QAT fake-quant (if any) happens inside, on the own shard and on the replicas alike
-            y = _grouped_ffn()(x_leaf, offsets, *w_leaves, act[0], act[1], impl=self.impl, quant=act[2], act=act[3])
-        return x_leaf, w_leaves, y
+            y = _grouped_ffn()(x_leaf, offsets, *w_leaves, act[0], act[1], impl=self.impl, quant=act[2], act=act[3],
+                               cut=cut)
+        return x_leaf, w_leaves, y, cut
 
     def _forward(self, ctx: Any, x: torch.Tensor, weights: tuple[torch.Tensor, ...], topk_idx: torch.Tensor,
                  act: tuple) -> torch.Tensor:
@@ -277,14 +292,20 @@ class EPDispatcher:
             g_x_rep.append(g_xr)
             reduce = ReduceBack(lay, tuple(g_wr), side.weight_group, self.ep_ranks)
             reduce.start()
-        g_xo, g_wo = self._ffn_backward(ctx.own, g_sorted[:lay.own_rows])
+        if self.split_wgrad:  # the input gradient first; the weight gradients while it travels
+            g_xo, own_wgrad = _expert_input_grad()(*ctx.own, g_sorted[:lay.own_rows])
+        else:
+            g_xo, g_wo = self._ffn_backward(ctx.own, g_sorted[:lay.own_rows])
+        ctx.own = None
 
-        # input grads go back to the source ranks, overlapped with the reduce-back
+        # input grads go back to the source ranks, overlapped with the reduce-back (and the own weight gradients)
         g_x_sorted = torch.cat([g_xo] + g_x_rep)
         back = side.buffers.get("recv", lay.recv_rows, width, dt, dev)
         torch.index_select(g_x_sorted, 0, ctx.inv_perm, out=back)
         home = side.buffers.get("send", n_tok * k, width, dt, dev)
         h_tok = all_to_all_rows(home, back, lay.send_splits, lay.recv_splits, side.ep_group, async_op=True)
+        if self.split_wgrad:
+            g_wo = own_wgrad()
         if reduce is not None:
             reduce.finish(tuple(g_wo), n)
         wait_all([h_tok])
@@ -295,11 +316,10 @@ class EPDispatcher:
 
     @staticmethod
     def _ffn_backward(saved: tuple, grad_y: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        x_leaf, w_leaves, y = saved
-        if x_leaf.shape[0] == 0:
-            return x_leaf.new_zeros(x_leaf.shape), [torch.zeros_like(w) for w in w_leaves]
-        grads = torch.autograd.grad(y, [x_leaf] + w_leaves, grad_y.contiguous())
-        return grads[0], list(grads[1:])
+        """Input and weight gradients of an ``_ffn`` graph together (the replicas': their weight gradients leave
+        first)."""
+        g_x, weight_grads = _expert_input_grad()(*saved, grad_y)
+        return g_x, weight_grads()
 
 
 class _EPExperts(torch.autograd.Function):

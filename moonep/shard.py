@@ -132,7 +132,7 @@ def _build_pair_side(dims: Any, moonep: bool, separate_weight_group: bool) -> EP
 
 def apply_expert_parallel(model: nn.Module | Iterable[nn.Module], dims: Any, moonep: bool = True,
                           impl: str = "auto", separate_weight_group: bool = True,
-                          paired: bool = False) -> ExpertParallelState:
+                          paired: bool = False, split_wgrad: bool = True) -> ExpertParallelState:
     """Shard every ``LatentMoE``'s routed experts over ``dims.group('ep')`` and install :class:`EPDispatcher`.
 
     ``model``: a module or the list of this rank's model chunks, possibly on the meta device (then materialise
@@ -141,6 +141,8 @@ def apply_expert_parallel(model: nn.Module | Iterable[nn.Module], dims: Any, moo
     (it creates process groups): call it on every rank. With ``ep == 1`` only the parameter marks are set (the
     ``edp`` group then equals ``dp_cp``) and the local dispatcher stays. ``paired``: also build side 1 of F/B
     pairing (``parallel.overlap_ep``, :mod:`parallel.pairing`) for every dispatcher (collective too).
+    ``split_wgrad``: the dispatchers compute the own experts' weight gradients while the input gradients'
+    all-to-all travels (``parallel.expert_wgrad_split``, :class:`moonep.dispatcher.EPDispatcher`).
     """
     state = ExpertParallelState(buffers=CommBuffers())
     if dims.ep > 1 and separate_weight_group and moonep:
@@ -157,7 +159,8 @@ def apply_expert_parallel(model: nn.Module | Iterable[nn.Module], dims: Any, moo
         disp = EPDispatcher(num_experts=num_experts, ep_group=dims.group("ep"), ep_ranks=dims.ranks("ep"),
                             ep_rank=dims.ep_rank, moonep=moonep, weight_group=state.weight_group,
                             buffers=state.buffers, name=name, impl=impl, pool=state.pool, chunk=chunk,
-                            order=order.setdefault(chunk, 0), pair_side=state.pair_side)
+                            order=order.setdefault(chunk, 0), pair_side=state.pair_side,
+                            split_wgrad=split_wgrad)
         order[chunk] += 1
         moe.dispatcher = disp
         state.dispatchers[name] = disp

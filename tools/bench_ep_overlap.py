@@ -1,18 +1,28 @@
-"""Benchmark ``parallel.overlap_ep`` (F/B pairing, parallel/pairing.py): expert all-to-all time and step time,
-overlap on vs off, through the real trainer step on gloo ranks (CPU).
+"""Benchmark the hiding of the expert all-to-all -- ``parallel.overlap_ep`` (F/B pairing, parallel/pairing.py) and
+``parallel.expert_wgrad_split`` (the own experts' weight gradients while the input gradients travel,
+moonep/dispatcher.py) -- and what of the gradient reduction and ZeRO's parameter broadcast stays exposed: time
+through the real trainer step on gloo ranks (CPU), each setting after the other in one run.
 
     .venv/bin/python tools/bench_ep_overlap.py                       # configs/small.yaml, dp2 ep2, 4 micro-batches
     .venv/bin/python tools/bench_ep_overlap.py --world 4 --pp 2 --vpp 2   # pp2 vpp2 dp2 ep2 (4 ranks)
     .venv/bin/python tools/bench_ep_overlap.py --config configs/tiny.yaml --steps 6 --micro-batches 6
     .venv/bin/python tools/bench_ep_overlap.py --moonep false --recompute true --train.seq_len=128
+    .venv/bin/python tools/bench_ep_overlap.py --settings none,split --zero 2
+
+Settings (``--settings``, comma-separated; default all four): ``none`` (neither: every collective waits in line,
+the honest baseline), ``split`` (expert_wgrad_split only), ``paired`` (overlap_ep only), ``both``.
 
 Per rank and setting (medians over the steps after ``--warmup``):
 * ``a2a s0`` / ``a2a s1``: seconds per step this rank's EP dispatcher spent BLOCKED in token all-to-alls and the
   counts all-gather (the call, plus the wait of an async one), on side 0 (main thread: unpaired actions, paired
   backwards) and side 1 (pair worker: paired forwards). Off, everything is side 0 and fully exposed. On, side
   1's blocked time is hidden as far as the main thread computes meanwhile, side 0's as far as the worker does;
+* ``grad``: seconds blocked waiting for the gradient reductions (``DistributedOptimizer``'s async per-chunk
+  all-reduce / reduce to the owners, waited when the next chunk's are issued and before the norm): what of them
+  the backward did not hide;
+* ``bcast``: seconds of ZeRO's parameter broadcast after the update (zero >= 1; in line, all of it exposed);
 * ``step``: ``Trainer.train_step`` seconds (the whole step: data, forward/backward, optimizer);
-* ``hidden``: ``(step off - step on) / a2a off`` -- the share of the all-to-all time that pairing took off the
+* ``hidden``: ``(step none - step X) / a2a none`` -- the share of the all-to-all time the setting took off the
   critical path (an estimate: pairing also overlaps compute with compute on a CPU with idle cores).
 
 The results are identical either way (tests/integration/test_overlap_ep.py); only the time differs. Numbers
@@ -51,9 +61,15 @@ class _Timed:
             self._acc(time.perf_counter() - t0)
 
 
-def _instrument() -> dict[int, float]:
-    """Time the dispatcher's all-to-alls and counts all-gathers per pairing side; returns the live totals."""
+SETTINGS = {"none": (False, False), "split": (False, True), "paired": (True, False), "both": (True, True)}
+
+
+def _instrument() -> dict[Any, float]:
+    """Time the dispatcher's all-to-alls and counts all-gathers per pairing side (keys 0, 1), the optimizer's
+    waits for its gradient reductions (``"grad"``) and its parameter broadcast (``"bcast"``); returns the live
+    totals."""
     import moonep.dispatcher as d
+    from k3train.optim import zero
     from parallel.pairing import current_side
 
     totals: dict[int, float] = defaultdict(float)
@@ -78,6 +94,20 @@ def _instrument() -> dict[int, float]:
 
     d.all_to_all_rows = wrap(d.all_to_all_rows, lambda out: out)
     d.all_gather_counts = wrap(d.all_gather_counts, lambda out: out[1])
+
+    def timed_method(cls: Any, name: str, key: str) -> None:
+        fn = getattr(cls, name)
+
+        def timed(self: Any, *a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(self, *a, **kw)
+            finally:
+                add(time.perf_counter() - t0, key)
+        setattr(cls, name, timed)
+
+    timed_method(zero._Pending, "finish", "grad")
+    timed_method(zero.DistributedOptimizer, "_broadcast_params", "bcast")
     return totals
 
 
@@ -91,11 +121,13 @@ def _body(rank: int, world: int, args: argparse.Namespace, _: dict) -> None:
     if data is None:
         raise SystemExit("the shipped corpus is not built: run `make data` (or `make test` once) first")
     rows = {}
-    for overlap in (False, True):
-        out = Path(args.out) / f"overlap_{overlap}"
+    for name in args.settings:
+        overlap, split = SETTINGS[name]
+        out = Path(args.out) / name
         over = [f"--data.path={data}", "--data.split=100,0,0", f"--parallel.ep={args.ep}",
                 f"--parallel.moonep={args.moonep}", f"--parallel.recompute={args.recompute}",
                 f"--parallel.overlap_ep={str(overlap).lower()}", "--train.micro_batch_size=1",
+                f"--parallel.expert_wgrad_split={str(split).lower()}", f"--parallel.zero={args.zero}",
                 f"--train.global_batch_size={args.micro_batches * world // args.pp}", f"--parallel.pp={args.pp}",
                 f"--parallel.vpp={args.vpp}",
                 f"--train.steps={args.warmup + args.steps}", "--train.device=cpu", f"--train.out_dir={out}",
@@ -104,7 +136,8 @@ def _body(rank: int, world: int, args: argparse.Namespace, _: dict) -> None:
                 *args.override]
         tr = Trainer(load_config(ROOT / args.config, over, world_size=world))
         assert (tr.pm.runner.pair is not None) == overlap, "overlap_ep did not take effect as asked"
-        steps, a2a = [], []
+        assert all(dp.split_wgrad == split for dp in tr.pm.ep_state.dispatchers.values()), "expert_wgrad_split"
+        steps, seen = [], []
         for i in range(args.warmup + args.steps):
             totals.clear()
             t0 = time.perf_counter()
@@ -112,22 +145,24 @@ def _body(rank: int, world: int, args: argparse.Namespace, _: dict) -> None:
             dt = time.perf_counter() - t0
             if i >= args.warmup:
                 steps.append(dt)
-                a2a.append((totals.get(0, 0.0), totals.get(1, 0.0)))
+                seen.append(dict(totals))
         tr.close(destroy_groups=False)
-        rows[overlap] = (statistics.median(steps), statistics.median(a for a, _ in a2a),
-                         statistics.median(b for _, b in a2a))
+        rows[name] = (statistics.median(steps), *(statistics.median(t.get(k, 0.0) for t in seen)
+                                                  for k in (0, 1, "grad", "bcast")))
     import torch.distributed as dist
 
     every = [None] * world
     dist.all_gather_object(every, rows)
     if rank == 0:
-        print(f"{'rank':>4} {'overlap':>7} {'step s':>8} {'a2a s0':>8} {'a2a s1':>8} {'hidden':>7}")
+        print(f"{'rank':>4} {'setting':>7} {'step s':>8} {'a2a s0':>8} {'a2a s1':>8} {'grad s':>8} {'bcast s':>8} "
+              f"{'hidden':>7}")
         for r, res in enumerate(every):
-            off_step, off_a2a = res[False][0], res[False][1] + res[False][2]
-            for overlap in (False, True):
-                step, s0, s1 = res[overlap]
-                hidden = f"{(off_step - step) / off_a2a:7.1%}" if overlap and off_a2a > 0 else ""
-                print(f"{r:>4} {str(overlap):>7} {step:8.3f} {s0:8.3f} {s1:8.3f} {hidden:>7}")
+            base = res.get("none")
+            for name in args.settings:
+                step, s0, s1, grad, bcast = res[name]
+                hidden = (f"{(base[0] - step) / (base[1] + base[2]):7.1%}"
+                          if base is not None and name != "none" and base[1] + base[2] > 0 else "")
+                print(f"{r:>4} {name:>7} {step:8.3f} {s0:8.3f} {s1:8.3f} {grad:8.3f} {bcast:8.3f} {hidden:>7}")
 
 
 def main() -> None:
@@ -140,10 +175,17 @@ def main() -> None:
     ap.add_argument("--micro-batches", type=int, default=4, help="micro-batches per rank per step")
     ap.add_argument("--moonep", default="true")
     ap.add_argument("--recompute", default="false")
+    ap.add_argument("--zero", type=int, default=1)
+    ap.add_argument("--settings", default="none,split,paired,both",
+                    help="comma-separated, run in this order: none, split, paired, both (module docstring)")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (OMP_NUM_THREADS)")
     args, args.override = ap.parse_known_args()  # the rest: --section.key=value overrides of the config
+    args.settings = [x.strip() for x in args.settings.split(",") if x.strip()]
+    bad = [x for x in args.settings if x not in SETTINGS]
+    if bad or not args.settings:
+        ap.error(f"--settings: unknown {bad} (choose from {', '.join(SETTINGS)})")
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     with tempfile.TemporaryDirectory(prefix="k3train-bench-ep-overlap-") as tmp:
         os.environ.setdefault("K3TRAIN_TEST_DATA_VIEWS", str(Path(tmp) / "views"))
@@ -151,8 +193,8 @@ def main() -> None:
         from dist_helpers import run_distributed
 
         print(f"{args.config}: world {args.world}, pp {args.pp}, vpp {args.vpp}, ep {args.ep}, {args.micro_batches} "
-              f"micro-batches per pipeline, moonep {args.moonep}, recompute {args.recompute}; {args.steps} steps after "
-              f"{args.warmup} warm-up")
+              f"micro-batches per pipeline, moonep {args.moonep}, recompute {args.recompute}, zero {args.zero}; "
+              f"{args.steps} steps after {args.warmup} warm-up; settings {', '.join(args.settings)}")
         run_distributed(_body, args.world, args, {}, timeout=3000)
 
 

@@ -296,7 +296,7 @@ def _gmm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tenso
 
 def _padded_bmm_ffn(x: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                     w_down: torch.Tensor, beta: float, linear_beta: float,
-                    quant: ExpertQuant = NO_QUANT, act: str = "situ") -> torch.Tensor:
+                    quant: ExpertQuant = NO_QUANT, act: str = "situ", cut: DownCut | None = None) -> torch.Tensor:
     # Fallback: scatter the rows into [E, capacity, l] with capacity = the largest group, three bmm's, gather back.
     n_rows, num_experts = x.shape[0], offsets.numel()
     offs = offsets.to(torch.long)
@@ -306,13 +306,58 @@ def _padded_bmm_ffn(x: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor
                                             output_size=n_rows)
     slot = torch.arange(n_rows, device=x.device) - (offs - counts)[expert_of_row]
     xp = x.new_zeros(num_experts, capacity, x.shape[1]).index_put((expert_of_row, slot), x)
-    h = glu(torch.bmm(xp, w_gate), torch.bmm(xp, w_up), act, beta, linear_beta)
-    return torch.bmm(quant.input(h), w_down)[expert_of_row, slot]  # per-row blocks: padding rows stay apart
+    h = quant.input(glu(torch.bmm(xp, w_gate), torch.bmm(xp, w_up), act, beta, linear_beta))
+    # per-row blocks: padding rows stay apart
+    return torch.bmm(cut(h) if cut is not None else h, w_down)[expert_of_row, slot]
+
+
+class DownCut:
+    """Where the down projection's input leaves the autograd graph, so that a backward can compute the experts'
+    input gradient before their weight gradients (:func:`expert_input_grad`; the EP dispatcher sends the input
+    gradient home and computes the weight gradients while it travels, Megatron's delayed wgrad).
+
+    ``grouped_expert_ffn(..., cut=c)`` calls ``c(h)`` on the down projection's input ``h`` (after QAT's input
+    quantization): ``c.h`` keeps ``h`` (in the graph of ``x`` and ``w_gate`` / ``w_up``) and the down projection
+    consumes ``c.leaf``, ``h`` detached. The per-expert ``'loop'`` reference and empty inputs leave ``c.h`` None."""
+
+    def __init__(self) -> None:
+        self.h: torch.Tensor | None = None
+        self.leaf: torch.Tensor | None = None
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        self.h = h
+        self.leaf = h.detach().requires_grad_(h.requires_grad)
+        return self.leaf
+
+
+def expert_input_grad(x: torch.Tensor, weights: list[torch.Tensor], y: torch.Tensor, cut: DownCut | None,
+                      grad_y: torch.Tensor) -> tuple[torch.Tensor, Callable[[], list[torch.Tensor]]]:
+    """``(dL/dx, weight_grads)`` of ``y = grouped_expert_ffn(x, ..., *weights, cut=cut)`` for ``grad_y``:
+    the input gradient now (the down projection's input gradient, then the gated projections' back to ``x``: no
+    weight gradient is computed), and ``weight_grads()`` -> ``[dL/dw_gate, dL/dw_up, dL/dw_down]`` later (three
+    more matmuls; the graph is freed then). The same matmuls as one ``torch.autograd.grad`` over ``[x, *weights]``
+    (the reference, used where ``cut`` did not apply), plus the gating's elementwise backward a second time.
+    ``x`` and ``weights`` are the leaves the FFN ran on (they require grad); ``x`` may be empty."""
+    grad_y = grad_y.contiguous()
+    if cut is None or cut.h is None or x.shape[0] == 0:  # the reference order: everything in one pass
+        if x.shape[0] == 0:
+            return x.new_zeros(x.shape), lambda: [torch.zeros_like(w) for w in weights]
+        g = torch.autograd.grad(y, [x] + list(weights), grad_y)
+        return g[0], lambda: list(g[1:])
+    (g_h,) = torch.autograd.grad(y, [cut.leaf], grad_y, retain_graph=True)
+    (g_x,) = torch.autograd.grad(cut.h, [x], g_h, retain_graph=True)
+
+    def weight_grads() -> list[torch.Tensor]:
+        (g_down,) = torch.autograd.grad(y, [weights[2]], grad_y)
+        g_gate, g_up = torch.autograd.grad(cut.h, [weights[0], weights[1]], g_h)
+        return [g_gate, g_up, g_down]
+    return g_x, weight_grads
 
 
 def grouped_expert_ffn(x_sorted: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                        w_down: torch.Tensor, situ_beta: float = 4.0, situ_linear_beta: float = 25.0,
-                       impl: str = "auto", quant: ExpertQuant | None = None, act: str = "situ") -> torch.Tensor:
+                       impl: str = "auto", quant: ExpertQuant | None = None, act: str = "situ",
+                       cut: DownCut | None = None) -> torch.Tensor:
     """Gated FFN (``act``: ``"situ"`` SiTU-GLU with the betas, or ``"silu"`` SwiGLU; :func:`k3train.model.ffn.glu`)
     of expert e on rows ``offsets[e-1]:offsets[e]`` of ``x_sorted`` (``offsets[-1] == N``).
 
@@ -324,7 +369,8 @@ def grouped_expert_ffn(x_sorted: torch.Tensor, offsets: torch.Tensor, w_gate: to
     ``quant`` (QAT, :class:`k3train.quant.qat.ExpertQuant`): every weight is fake-quantized (MXFP4, blocks of 32
     along its reduction dim ``l`` resp. ``f``) before the cast to the activation dtype, and -- with MXFP8 inputs --
     the activation operand of each of the three matmuls (``x`` and ``h``, blocks along their last dim); the
-    gradients pass straight through.
+    gradients pass straight through. ``cut`` (:class:`DownCut`): the down projection's input leaves the graph there
+    (``'grouped_mm'`` and ``'padded_bmm'``), for :func:`expert_input_grad`.
     """
     if x_sorted.dim() != 2 or w_gate.dim() != 3 or w_gate.shape != w_up.shape:
         raise ValueError(f"grouped_expert_ffn: expected x[N, l], w_gate/w_up[E, l, f], got {tuple(x_sorted.shape)},"
@@ -349,10 +395,12 @@ def grouped_expert_ffn(x_sorted: torch.Tensor, offsets: torch.Tensor, w_gate: to
         impl = "grouped_mm" if _grouped_mm_applies(x_sorted, w_gate, w_up, w_down) else "padded_bmm"
     if impl == "grouped_mm":
         offs = offsets.to(torch.int32)
-        h = glu(_gmm(x_sorted, w_gate, offs), _gmm(x_sorted, w_up, offs), act, situ_beta, situ_linear_beta)
-        return _gmm(quant.input(h), w_down, offs)
+        h = quant.input(glu(_gmm(x_sorted, w_gate, offs), _gmm(x_sorted, w_up, offs), act, situ_beta,
+                            situ_linear_beta))
+        return _gmm(cut(h) if cut is not None else h, w_down, offs)
     if impl == "padded_bmm":
-        return _padded_bmm_ffn(x_sorted, offsets, w_gate, w_up, w_down, situ_beta, situ_linear_beta, quant, act)
+        return _padded_bmm_ffn(x_sorted, offsets, w_gate, w_up, w_down, situ_beta, situ_linear_beta, quant, act,
+                               cut)
     if impl == "loop":
         return reference_grouped_expert_ffn(x_sorted, offsets, w_gate, w_up, w_down, situ_beta, situ_linear_beta,
                                             quant.input, act)

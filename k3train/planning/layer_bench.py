@@ -38,8 +38,8 @@ from k3train.planning.devices import host_key, load_cache, median_time, save_cac
 # (2: EP layers through the real dispatcher, CP layers through KCP / MLA-CP; 3: the backward under recompute
 # timed, fused AttnRes aggregation; 4: the KDA op keeps its solve for the backward; 5: EP set up by
 # apply_expert_parallel, MoonEP layouts timed through MoonEP's own dispatcher; 6: MLA-CP balanced, head and token
-# chunks)
-LAYERS_VERSION = 6
+# chunks; 7: the experts' weight gradients split from their input gradients, parallel.expert_wgrad_split)
+LAYERS_VERSION = 7
 
 
 def _key(cfg: Any, *parts: Any) -> str:
@@ -87,7 +87,8 @@ def _model(cfg: Any, ep: int, moonep: bool = False) -> torch.nn.Module:
         # shuffles around the all-to-alls
         from moonep.shard import apply_expert_parallel
 
-        apply_expert_parallel(m, _SimEPDims(ep), moonep=moonep, separate_weight_group=False)
+        apply_expert_parallel(m, _SimEPDims(ep), moonep=moonep, separate_weight_group=False,
+                              split_wgrad=cfg.parallel.expert_wgrad_split)
     if cfg.train.dtype == "bfloat16":
         cast_params_to_bf16([m])
     m.train()

@@ -16,8 +16,11 @@ Per virtual stage and micro-batch (``B = micro_batch_size`` rows of ``T = seq_le
   ``N*k`` latent rows, the ``(ep-1)/ep`` that leave the rank (x skew on the busiest receiver without MoonEP); MoonEP
   adds the redundant experts' weight prefetch and their fp32 gradient reduce-back: on ``cpu`` the point-to-point
   calls and bytes its dispatcher issued while the layers were timed (each call a ``Device.call_cost('p2p')``), on
-  GPUs ``min(E/ep, ceil((skew-1) E/ep))`` experts of ``3 l f`` each; all of it exposed (the runtime issues it in
-  line). KCP -- per KDA layer one all-gather of the ``B x H x dk x (dk+dv)`` fp32 pairs forward and one backward;
+  GPUs ``min(E/ep, ceil((skew-1) E/ep))`` experts of ``3 l f`` each. What of it is exposed is what the layer's
+  thread blocks on when the dispatcher's own order runs (:func:`layer_ops`, :func:`side_timeline`): the prefetch
+  travels beside the token all-to-all and behind the own experts' compute, the reduce-back and the next backward's
+  prefetch behind the own experts' backward, and under ``parallel.expert_wgrad_split`` the input gradients'
+  all-to-all behind the own experts' weight-gradient matmuls; transfers in flight share the link. KCP -- per KDA layer one all-gather of the ``B x H x dk x (dk+dv)`` fp32 pairs forward and one backward;
   MLA-CP -- per MLA layer an all-gather of the ``B x T x (kv_lora_rank + rope)`` latents forward and a
   reduce-scatter backward, and under the causal balance two half-segment swaps each way (the layer's input and
   output, ``B x T/2 x d`` with the partner rank ``cp-1-r``, the CP group's link); KCP's short-convolution halo
@@ -528,21 +531,159 @@ IN_ACTION_KINDS = ("ep_all_to_all", "moonep_replicas", "kcp", "mla_cp")
 _MEMO: dict[tuple, Any] = {}
 
 
+def routed_share(cfg: Any, lay: Any, i: int, skew: float) -> float:
+    """The routed experts' share of layer ``i``'s compute (their share of its FLOPs, ``partition.layer_cost``; the
+    busiest rank's under plain EP; ``i`` past the backbone: the MTP layer, taken as the last layer's FFN kind)."""
+    from parallel.pipeline.partition import layer_cost
+
+    m = cfg.model
+    L = m.num_hidden_layers
+    routed = 2.0 * m.num_experts_per_token * 3 * m.expert_hidden_size * m.moe_intermediate_size * (
+        1.0 if lay.moonep else skew)
+    return min(1.0, routed / layer_cost(m, min(i, L - 1), cfg.train.seq_len // lay.cp))
+
+
+def side_timeline(ops: list[tuple]) -> tuple[list[tuple[str, float]], dict[str, float]]:
+    """One thread's program of computes and transfers, executed: ``('c', s)`` computes ``s`` seconds; ``('start',
+    name, kind, s)`` starts a transfer of ``s`` link-seconds (async); ``('wait', name)`` blocks until it is done;
+    ``('sync', kind, s)`` is a start and its wait. Transfers in flight share the rank's link equally and run while
+    the thread computes. Returns the phases the thread spends (``('c', s)`` computing, ``('n', s)`` blocked in a
+    wait, consecutive ones merged) and the blocked seconds by the kind of the transfer waited for; transfers still
+    in flight at the end are waited for there, in start order."""
+    live: dict[str, list] = {}  # name -> [link-seconds left, kind], in start order
+    phases: list[tuple[str, float]] = []
+    blocked: dict[str, float] = {}
+
+    def run(dt: float, until: str | None = None) -> float:  # advance the link; returns the seconds spent
+        spent = 0.0
+        while live and (until is None and dt > 0 or until is not None and until in live):
+            n = len(live)
+            step = min(v[0] for v in live.values()) * n
+            if until is None and step > dt:
+                for v in live.values():
+                    v[0] -= dt / n
+                return spent + dt
+            for v in live.values():
+                v[0] -= step / n
+            for k in [k for k, v in live.items() if v[0] <= 1e-15]:
+                del live[k]
+            spent += step
+            dt -= step
+        return spent
+
+    def add(kind: str, sec: float) -> None:
+        if sec > 0.0:
+            phases.append((kind, phases.pop()[1] + sec) if phases and phases[-1][0] == kind else (kind, sec))
+
+    def wait(name: str) -> None:
+        kind = live[name][1]
+        t = run(0.0, until=name)
+        add("n", t)
+        blocked[kind] = blocked.get(kind, 0.0) + t
+
+    for op in ops:
+        if op[0] == "c":
+            run(op[1])
+            add("c", op[1])
+        elif op[0] == "start":
+            if op[3] > 0.0:
+                live[op[1]] = [op[3], op[2]]
+        elif op[0] == "wait":
+            if op[1] in live:
+                wait(op[1])
+        else:  # sync
+            if op[2] > 0.0:
+                live["_sync"] = [op[2], op[1]]
+                wait("_sync")
+    for name in list(live):
+        if name in live:
+            wait(name)
+    return phases, blocked
+
+
+def layer_ops(direction: str, sent: dict[str, tuple[float, float]], experts: float, other: float, own: float,
+              split: bool, es: int) -> list[tuple]:
+    """One layer's forward (``direction`` 'f') or backward ('b') as its thread issues it, for :func:`side_timeline`:
+    ``sent`` the layer's in-action communication by kind as sent (:func:`comm_per_layer`), ``experts`` / ``other``
+    the routed experts' and the rest's compute seconds, ``own`` the share of the expert rows the rank computes for
+    its own experts (the rest are MoonEP replicas). A MoE layer follows moonep/dispatcher.py:
+
+    * forward: the rest of the layer; the token all-to-all and the replica prefetch start together; the own
+      experts once the tokens are in, the replicas once their weights are; the combine all-to-all;
+    * backward: the combine's all-to-all; the next backward's replicas start travelling (prefetched ahead); the
+      replicas' backward, whose fp32 weight gradients start travelling home (reduce-back); the own experts'
+      backward -- under ``split`` (``parallel.expert_wgrad_split``) the input gradients first, then their
+      all-to-all starts and the weight gradients are computed while it travels, else all of it and then the
+      all-to-all; both transfers waited for; the rest of the layer, and the prefetch waited for at its end (the
+      next layer's backward waits for it, in line).
+
+    MoonEP's backward replica traffic (``moonep_replicas``) splits into the re-fetch (``es`` bytes per weight) and
+    the reduce-back (fp32) by their bytes. KCP / MLA-CP collectives run in line, before the MoE part in the
+    backward and after it in the forward."""
+    i = 0 if direction == "f" else 1
+    rest = [("sync", k, v[i]) for k, v in sent.items() if k not in ("ep_all_to_all", "moonep_replicas")]
+    a2a, rp = sent.get("ep_all_to_all", (0.0, 0.0))[i], sent.get("moonep_replicas", (0.0, 0.0))[i]
+    if a2a == 0.0:
+        return [("c", other + experts)] + rest if direction == "f" else rest + [("c", other + experts)]
+    mine, reps = experts * own, experts * (1.0 - own)
+    if direction == "f":
+        return [("c", other), ("start", "tok", "ep_all_to_all", a2a / 2), ("start", "w", "moonep_replicas", rp),
+                ("wait", "tok"), ("c", mine), ("wait", "w"), ("c", reps), ("sync", "ep_all_to_all", a2a / 2)] + rest
+    fetch, back = rp * es / (es + 4), rp * 4 / (es + 4)
+    own_bwd = ([("c", mine / 2), ("start", "tok", "ep_all_to_all", a2a / 2), ("c", mine / 2)] if split else
+               [("c", mine), ("start", "tok", "ep_all_to_all", a2a / 2)])
+    return rest + [("sync", "ep_all_to_all", a2a / 2), ("start", "ahead", "moonep_replicas", fetch), ("c", reps),
+                   ("start", "back", "moonep_replicas", back)] + own_bwd + [
+                   ("wait", "back"), ("wait", "tok"), ("c", other), ("wait", "ahead")]
+
+
+def own_row_share(lay: Any, skew: float, sent: dict[str, tuple[float, float]]) -> float:
+    """The share of its ``N*k`` expert rows a rank computes for its own experts: all of them under plain EP or
+    when MoonEP fetches no replica; else ``1 / skew`` (MoonEP moves the excess of the busiest ranks, about
+    ``(skew - 1) / skew`` of their rows, onto replicas)."""
+    if not lay.moonep or sent.get("moonep_replicas", (0.0, 0.0)) == (0.0, 0.0):
+        return 1.0
+    return 1.0 / max(1.0, skew)
+
+
 def _layer_terms(cfg: Any, dev: Device, lay: Any, layer_times: Any, skew: float) -> tuple:
-    """Memoised per-layer compute and communication of a layout's ``(mbs, cp, ep, moonep)``."""
+    """Memoised per-layer compute and communication of a layout's ``(mbs, cp, ep, moonep)``: ``(compute, (forward,
+    backward) exposed in-action communication, exposed by kind, sent by kind)``. Sent: :func:`comm_per_layer`;
+    exposed: what each layer's own thread blocks on when it runs alone (:func:`layer_ops` through
+    :func:`side_timeline`: the dispatcher's transfers overlap its expert compute and each other)."""
     key = (id(cfg.model), id(dev), id(layer_times), skew, lay.mbs, lay.cp, lay.ep, lay.moonep, cfg.train.seq_len,
-           cfg.train.dtype, cfg.parallel.mla_cp_balance)
+           cfg.train.dtype, cfg.parallel.mla_cp_balance, cfg.parallel.expert_wgrad_split)
     if key not in _MEMO:
         p2p = None
         if layer_times is not None and lay.moonep and lay.ep > 1:  # what MoonEP's dispatcher issued when timed
             t = layer_times.layers(cfg, lay.mbs, cfg.train.seq_len // lay.cp, lay.ep, True)
             if "p2p_layers" in t:
                 p2p = list(t["p2p_layers"]) + [t.get("p2p_head")]
-        kinds: list[dict[str, float]] = []
-        _MEMO[key] = (layer_compute(cfg, dev, lay, layer_times, skew),
-                      comm_per_layer(cfg, dev, lay, skew, p2p, kinds), kinds,
+        sent: list[dict[str, tuple[float, float]]] = []
+        compute = layer_compute(cfg, dev, lay, layer_times, skew)
+        cf, cb = comm_per_layer(cfg, dev, lay, skew, p2p, sent)
+        exposed = []
+        for j, kind in enumerate(sent):
+            if "ep_all_to_all" not in kind:
+                exposed.append(dict(kind))
+                continue
+            c = compute[1][min(j, len(compute[1]) - 1)]  # the MTP layer: the last layer's compute
+            x, own = routed_share(cfg, lay, j, skew), own_row_share(lay, skew, kind)
+            by = {}
+            for d, sec in (("f", c[0]), ("b", c[1])):
+                _, blocked = side_timeline(layer_ops(d, kind, x * sec, (1 - x) * sec, own,
+                                                     cfg.parallel.expert_wgrad_split, _dtype_bytes(cfg)))
+                by[d] = blocked
+            exposed.append({k: (by["f"].get(k, 0.0), by["b"].get(k, 0.0)) for k in kind})
+            cf[j] = sum(v[0] for v in exposed[j].values())
+            cb[j] = sum(v[1] for v in exposed[j].values())
+        _MEMO[key] = (compute, (cf, cb), exposed, sent,
                       (cfg.model, dev, layer_times))  # keep the id()s alive
-    return _MEMO[key][:3]
+    return _MEMO[key][:4]
+
+
+def _dtype_bytes(cfg: Any) -> int:
+    return 2 if cfg.train.dtype == "bfloat16" else 4
 
 
 def action_costs(cfg: Any, dev: Device, lay: Any, part: Any, plan: Any, layer_times: Any,
@@ -551,7 +692,7 @@ def action_costs(cfg: Any, dev: Device, lay: Any, part: Any, plan: Any, layer_ti
 
     from k3train.planning.memory import plan_bytes
 
-    (emb, layers, head), (cf, cb), kinds = _layer_terms(cfg, dev, lay, layer_times, skew)
+    (emb, layers, head), (cf, cb), kinds, _ = _layer_terms(cfg, dev, lay, layer_times, skew)
     n = part.num_stages
     f, b, fc, bc, ck = [], [], [], [], []
     for v in range(n):
@@ -774,58 +915,49 @@ def paired_programs(programs: list[list[Any]], pp: int, vpp: int) -> tuple[list[
 def side_phases(cfg: Any, dev: Device, lay: Any, part: Any, layer_times: Any,
                 skew: float) -> tuple[list[list], list[list]]:
     """Per virtual stage, its forward and its backward of one micro-batch as the sequences of compute (``'c'``,
-    seconds at full speed) and communication (``'n'``, wall seconds) phases their thread runs: per MoE layer the
-    forward computes up to the router, fetches MoonEP's replicas, dispatches (the count all-gather and the first
-    all-to-all), runs the experts and combines; the backward runs the combine's all-to-all first, the experts'
-    backward, the dispatch's all-to-all, MoonEP's gradient reduce-back, then the rest of the layer. The routed
-    experts' share of a MoE layer's compute is their share of its FLOPs (``partition.layer_cost``); under recompute
-    the backward re-runs each layer's forward phases first. The stage's pieces as :func:`action_costs` sums them."""
-    from parallel.pipeline.partition import layer_cost
-
-    (emb, layers, head), _, kinds = _layer_terms(cfg, dev, lay, layer_times, skew)
-    m = cfg.model
-    T = cfg.train.seq_len // lay.cp
-    routed = 2.0 * m.num_experts_per_token * 3 * m.expert_hidden_size * m.moe_intermediate_size * (
-        1.0 if lay.moonep else skew)
+    seconds at full speed) and blocked communication (``'n'``, wall seconds) phases their thread runs: each layer
+    as :func:`layer_ops` issues it, through :func:`side_timeline` (a MoE layer's transfers overlap its own expert
+    compute as moonep/dispatcher.py overlaps them; what is left is a wait). The routed experts' share of a MoE
+    layer's compute is their share of its FLOPs (``partition.layer_cost``); under recompute the backward re-runs
+    each layer's forward first. The stage's pieces as :func:`action_costs` sums them. Two approximations: a side's
+    own overlap is taken at full compute speed (paired, its compute runs slower, which would hide more), and its
+    transfers in flight while it computes do not slow the other side's."""
+    (emb, layers, head), _, _, sent = _layer_terms(cfg, dev, lay, layer_times, skew)
     L = len(layers)
-    moe_kinds = ("ep_all_to_all", "moonep_replicas")
+    split, es = cfg.parallel.expert_wgrad_split, _dtype_bytes(cfg)
 
-    def share(i: int) -> float:  # the routed experts' share of layer i's compute (the MTP layer: its FFN kind's)
-        return min(1.0, routed / layer_cost(m, min(i, L - 1), T))
+    def phases(d: str, i: int, c: float, ref: float, kind: dict[str, tuple[float, float]]) -> list:
+        # ref: the layer's own compute (the head piece: the last layer's, for the MTP layer's experts)
+        experts = min(c, routed_share(cfg, lay, i, skew) * ref) if "ep_all_to_all" in kind else 0.0
+        ops = layer_ops(d, kind, experts, c - experts, own_row_share(lay, skew, kind), split, es)
+        return side_timeline(ops)[0]
 
-    def fwd(i: int, c: float, kind: dict[str, tuple[float, float]]) -> list[tuple[str, float]]:
-        ep, rp = kind.get("ep_all_to_all", (0.0, 0.0))[0], kind.get("moonep_replicas", (0.0, 0.0))[0]
-        rest = sum(v[0] for k, v in kind.items() if k not in moe_kinds)
-        if ep == 0.0:
-            return [("c", c), ("n", rest)]
-        x = share(i)
-        return [("c", c * (1 - x)), ("n", rp), ("n", ep / 2), ("c", c * x), ("n", ep / 2), ("n", rest)]
+    def fwd(i: int, t: list[float], kind: dict[str, tuple[float, float]]) -> list[tuple[str, float]]:
+        return phases("f", i, t[0], layers[min(i, L - 1)][0], kind)
 
-    def bwd(i: int, c: float, kind: dict[str, tuple[float, float]]) -> list[tuple[str, float]]:
-        ep, rp = kind.get("ep_all_to_all", (0.0, 0.0))[1], kind.get("moonep_replicas", (0.0, 0.0))[1]
-        rest = sum(v[1] for k, v in kind.items() if k not in moe_kinds)
-        if ep == 0.0:
-            return [("n", rest), ("c", c)]
-        x = share(i)
-        return [("n", rest), ("n", ep / 2), ("c", c * x), ("n", ep / 2), ("n", rp), ("c", c * (1 - x))]
+    def bwd(i: int, t: list[float], kind: dict[str, tuple[float, float]]) -> list[tuple[str, float]]:
+        ref = layers[min(i, L - 1)]
+        if lay.recompute:
+            return fwd(i, t, kind) + phases("b", i, t[2] - t[0], ref[2] - ref[0], kind)
+        return phases("b", i, t[1], ref[1], kind)
 
     n = part.num_stages
     fs, bs = [], []
     for v in range(n):
         a, e = part.bounds[v]
-        pieces = [(i, layers[i], kinds[i]) for i in range(a, e)]
+        pieces = [(i, layers[i], sent[i]) for i in range(a, e)]
         if v == n - 1:  # the head, with the MTP layer's communication (comm_per_layer's extra entry)
             extra: dict[str, tuple[float, float]] = {}
-            for d in kinds[L:]:
+            for d in sent[L:]:
                 for k, (x, y) in d.items():
                     extra[k] = (extra.get(k, (0.0, 0.0))[0] + x, extra.get(k, (0.0, 0.0))[1] + y)
             pieces.append((L, head, extra))
         f_ph: list[tuple[str, float]] = [("c", emb[0])] if v == 0 else []
         b_ph: list[tuple[str, float]] = []
         for i, t, kind in pieces:
-            f_ph += fwd(i, t[0], kind)
+            f_ph += fwd(i, t, kind)
         for i, t, kind in reversed(pieces):
-            b_ph += (fwd(i, t[0], kind) + bwd(i, t[2] - t[0], kind)) if lay.recompute else bwd(i, t[1], kind)
+            b_ph += bwd(i, t, kind)
         if v == 0:
             b_ph.append(("c", emb[2] - emb[0] if lay.recompute else emb[1]))
         fs.append([p for p in f_ph if p[1] > 0])

@@ -323,3 +323,52 @@ def test_empty_batch_and_bf16_activations() -> None:
     assert float((out.float() - ref).detach().abs().max()) <= 0.05 * max(1.0, float(ref.detach().abs().max()))
     out.float().sum().backward()
     assert ex.w_gate.grad is not None and ex.w_gate.grad.dtype == torch.float32
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the split backward: input gradient first, weight gradients later (moonep/dispatcher.py, parallel.expert_wgrad_split)
+# --------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("impl,dtype,qat,rows", [
+    ("grouped_mm", torch.float32, "none", [5, 0, 7, 3]),
+    ("padded_bmm", torch.float32, "none", [5, 0, 7, 3]),
+    ("grouped_mm", torch.bfloat16, "none", [4, 4, 0, 9]),
+    ("grouped_mm", torch.float32, "mxfp8", [6, 2, 0, 8]),
+    ("padded_bmm", torch.float32, "mxfp8", [6, 2, 0, 8]),
+    ("loop", torch.float32, "none", [3, 3, 3, 3]),   # the reference: no cut, one pass
+    ("grouped_mm", torch.float32, "none", [0, 0, 0, 0]),  # nothing routed here
+])
+def test_split_expert_backward_equals_one_pass(impl, dtype, qat, rows):
+    """``expert_input_grad`` (input gradient, then the weight gradients on demand) returns exactly what one
+    ``torch.autograd.grad`` over the uncut FFN does: the same matmuls in the same order of accumulation."""
+    from k3train.model.moe import DownCut, expert_input_grad, grouped_expert_ffn
+    from k3train.quant.qat import ExpertQuant
+
+    g = torch.Generator().manual_seed(3)
+    n_exp, l_dim, f_dim = len(rows), 32, 64
+    offsets = torch.tensor(rows).cumsum(0).to(torch.int32)
+    n = int(offsets[-1])
+    x = torch.randn(n, l_dim, generator=g).to(dtype)
+    ws = [torch.randn(n_exp, l_dim, f_dim, generator=g) * 0.2, torch.randn(n_exp, l_dim, f_dim, generator=g) * 0.2,
+          torch.randn(n_exp, f_dim, l_dim, generator=g) * 0.2]
+    gy = torch.randn(n, l_dim, generator=g).to(dtype)
+    quant = ExpertQuant("mxfp4", qat) if qat != "none" else None
+
+    def run(cut):
+        xl = x.clone().requires_grad_()
+        wl = [w.clone().requires_grad_() for w in ws]
+        y = grouped_expert_ffn(xl, offsets, *wl, impl=impl, quant=quant, cut=cut)
+        return xl, wl, y
+
+    xl, wl, y = run(None)
+    if n:
+        want = torch.autograd.grad(y, [xl] + wl, gy)
+    else:
+        want = [torch.zeros_like(xl)] + [torch.zeros_like(w) for w in wl]
+    cut = DownCut()
+    xl, wl, y2 = run(cut)
+    assert torch.equal(y2, y)
+    assert (cut.h is not None) == (impl != "loop" and n > 0)
+    g_x, later = expert_input_grad(xl, wl, y2, cut, gy)
+    torch.testing.assert_close(g_x, want[0], atol=0, rtol=0)
+    for got, ref, name in zip(later(), want[1:], ("w_gate", "w_up", "w_down")):
+        torch.testing.assert_close(got, ref, atol=0, rtol=0, msg=name)

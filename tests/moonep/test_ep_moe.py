@@ -98,3 +98,43 @@ def _body(rank: int, world_size: int, ep: int) -> None:
 @pytest.mark.parametrize("world_size,ep", [(2, 2), (4, 4), (4, 2)])
 def test_ep_latent_moe_matches_single_process(world_size: int, ep: int) -> None:
     run_distributed(_body, world_size, ep)
+
+
+def _split_body(rank: int, world_size: int) -> None:
+    """``parallel.expert_wgrad_split`` on vs off: the same outputs and bit-identical input and parameter gradients
+    (the own experts' weight gradients computed while the input gradients' all-to-all travels), with MoonEP
+    replicas, with ranks that receive no token, under activation checkpointing and under QAT."""
+    from k3train.quant.qat import apply_qat
+
+    dims = ParallelDims(dp=world_size, ep=world_size, world_size=world_size, rank=rank).build_groups()
+    cases = [(True, False, False, "none"), (False, True, False, "none"), (True, True, True, "none"),
+             (True, False, False, "mxfp4")]
+    for i, (moonep, skew, recompute, qat) in enumerate(cases):
+        ref = build_moe(40 + i, **({} if qat == "none" else dict(routed_expert_hidden_size=32,
+                                                                  moe_intermediate_size=32)))
+        if skew:
+            skew_router(ref, [0, 1])
+        g = torch.Generator().manual_seed(41 + i)
+        xs = [torch.randn(T, D, generator=g) for _ in range(2)]
+        probes = [torch.randn(T, D, generator=g) for _ in range(2)]
+        got = []
+        for split in (False, True):
+            m = clone(ref)
+            apply_expert_parallel(m, dims, moonep=moonep, split_wgrad=split)
+            apply_qat([m], qat, "mxfp8" if qat != "none" else "none")
+            run = (lambda x, m=m: checkpoint(m, x, use_reentrant=False)) if recompute else m
+            x_loc = [x.clone().requires_grad_() for x in xs]
+            outs = [run(x) for x in x_loc]
+            sum((o * p).sum() for o, p in zip(outs, probes)).backward()
+            got.append(([o.detach() for o in outs], [x.grad for x in x_loc],
+                        {n: p.grad for n, p in m.named_parameters()}))
+        (o0, x0, p0), (o1, x1, p1) = got
+        for a, b in zip(o0 + x0, o1 + x1):
+            torch.testing.assert_close(b, a, atol=0, rtol=0)
+        assert p0.keys() == p1.keys()
+        for name in p0:
+            torch.testing.assert_close(p1[name], p0[name], atol=0, rtol=0, msg=f"case {i}: {name}")
+
+
+def test_expert_wgrad_split_is_bit_identical():
+    run_distributed(_split_body, 2)
