@@ -12,7 +12,8 @@ through the real trainer step on gloo ranks (CPU), each setting after the other 
 Settings (``--settings``, comma-separated; default all four): ``none`` (neither: every collective waits in line,
 the honest baseline), ``split`` (expert_wgrad_split only), ``paired`` (overlap_ep only), ``both``.
 
-Per rank and setting (medians over the steps after ``--warmup``):
+Every setting's trainer is built first and their steps run in turn (one step of each, round after round), so a
+host whose speed drifts slows them alike. Per rank and setting (medians over the steps after ``--warmup``):
 * ``a2a s0`` / ``a2a s1``: seconds per step this rank's EP dispatcher spent BLOCKED in token all-to-alls and the
   counts all-gather (the call, plus the wait of an async one), on side 0 (main thread: unpaired actions, paired
   backwards) and side 1 (pair worker: paired forwards). Off, everything is side 0 and fully exposed. On, side
@@ -120,8 +121,8 @@ def _body(rank: int, world: int, args: argparse.Namespace, _: dict) -> None:
     data = shipped_view("corpus_text_document")
     if data is None:
         raise SystemExit("the shipped corpus is not built: run `make data` (or `make test` once) first")
-    rows = {}
-    for name in args.settings:
+    trainers = {}
+    for name in args.settings:  # every setting's trainer alive at once: their steps interleave (below)
         overlap, split = SETTINGS[name]
         out = Path(args.out) / name
         over = [f"--data.path={data}", "--data.split=100,0,0", f"--parallel.ep={args.ep}",
@@ -137,23 +138,32 @@ def _body(rank: int, world: int, args: argparse.Namespace, _: dict) -> None:
         tr = Trainer(load_config(ROOT / args.config, over, world_size=world))
         assert (tr.pm.runner.pair is not None) == overlap, "overlap_ep did not take effect as asked"
         assert all(dp.split_wgrad == split for dp in tr.pm.ep_state.dispatchers.values()), "expert_wgrad_split"
-        steps, seen = [], []
-        for i in range(args.warmup + args.steps):
+        trainers[name] = tr
+    # round-robin, one step of each setting in turn: a host whose speed drifts over minutes (a shared VM) slows
+    # every setting alike instead of whichever ran last
+    steps: dict[str, list[float]] = {n: [] for n in args.settings}
+    seen: dict[str, list[dict]] = {n: [] for n in args.settings}
+    for i in range(args.warmup + args.steps):
+        for name in args.settings:
             totals.clear()
             t0 = time.perf_counter()
-            tr.train_step()
+            trainers[name].train_step()
             dt = time.perf_counter() - t0
             if i >= args.warmup:
-                steps.append(dt)
-                seen.append(dict(totals))
+                steps[name].append(dt)
+                seen[name].append(dict(totals))
+    rows = {}
+    for name, tr in trainers.items():
         tr.close(destroy_groups=False)
-        rows[name] = (statistics.median(steps), *(statistics.median(t.get(k, 0.0) for t in seen)
-                                                  for k in (0, 1, "grad", "bcast")))
+        rows[name] = (statistics.median(steps[name]), *(statistics.median(t.get(k, 0.0) for t in seen[name])
+                                                        for k in (0, 1, "grad", "bcast")))
     import torch.distributed as dist
 
     every = [None] * world
     dist.all_gather_object(every, rows)
     if rank == 0:
+        print("rank 0 step seconds, in order: " + "; ".join(f"{n} " + " ".join(f"{t:.2f}" for t in steps[n])
+                                                             for n in args.settings))
         print(f"{'rank':>4} {'setting':>7} {'step s':>8} {'a2a s0':>8} {'a2a s1':>8} {'grad s':>8} {'bcast s':>8} "
               f"{'hidden':>7}")
         for r, res in enumerate(every):

@@ -5,9 +5,9 @@ Order of work (cheapest first, every skip exact):
 1. :func:`k3train.planning.layouts.enumerate_layouts` -- every layout the run validation accepts.
 2. Static memory bound (:func:`step_time.static_memory_lower_bound`: weights + gradients + optimizer state, or
    weights + optimizer state + the hidden-state partial sums of each forward the schedule runs before a rank's
-   first backward; with micro-batches composed per piece and sublayer or no recomputation, each FFN counts its
-   traced piece's bytes instead, :func:`memory.ffn_saved_bytes`, traced once for every cp; over several stages
-   each forward's received AttnRes payload) above the device memory: infeasible, no trace (``fits: false,
+   first backward; with sublayer or no recomputation, each FFN counts its traced piece's bytes (of one row)
+   instead, :func:`memory.ffn_saved_bytes`, traced once for every cp; over several stages each forward's
+   received AttnRes payload) above the device memory: infeasible, no trace (``fits: false,
    skipped: 'bound'``). Refined lazily, the same bound, under sublayer recomputation: when a layout first comes
    up (3.), each token mixer counts its piece's bytes, :func:`memory.mixer_bytes`, traced per cp (a line in the
    cp above 16) only for the cps of layouts that come up, with the first backward's peak composed as the
@@ -203,11 +203,13 @@ class Planner:
                     flight_memo[sk] = forwards_before_first_backward(*sk)
                 args = (facts, r.cfg, part, L.pp, L.dp * L.cp, L.ep, L.zero, L.moonep, tokens, rc, flight_memo[sk])
                 bound_memo[kb] = static_memory_lower_bound(*args)
-                if bound_memo[kb] <= self.dev.hbm_bytes and (rc is None and L.mbs == 1 or rc == "sublayer"):
+                if bound_memo[kb] <= self.dev.hbm_bytes and rc in (None, "sublayer"):
                     # within the bound on one hidden state per FFN: count the FFN's traced bytes (once per row
                     # length, every cp alike) -- of ONE row: a micro-batch of several holds at least what one of its
-                    # rows holds (the pieces' traces at one row serve every micro-batch size); under sublayer
-                    # recomputation the token mixers' pieces (per cp) when the layout first comes up (below)
+                    # rows holds (the pieces' traces at one row serve every micro-batch size); also where the
+                    # estimator traces whole chunks (short rows): a whole trace holds every FFN's saved tensors.
+                    # Under sublayer recomputation the token mixers' pieces (per cp) when the layout first comes up
+                    # (below)
                     ffn = self._ffn_saved(r, ffn_memo, t_end)
                     if ffn is not None:
                         bound_memo[kb] = static_memory_lower_bound(*args, ffn_saved=ffn)
@@ -407,14 +409,12 @@ class Planner:
 
     def _ffn_saved(self, r: Row, memo: dict[tuple, dict[bool, int] | None], t_end: float) -> dict[bool, int] | None:
         """``memory.ffn_saved_bytes`` for one row of ``r``'s micro-batch (``seq_len / cp`` tokens) under
-        its recompute setting when the estimator composes it per piece (else None: a whole trace has no pieces),
-        traced into the :class:`EstimateCache` (under sublayer recomputation the estimates reuse them); None as
-        well once the plan's time is spent."""
-        from k3train.planning.memory import ffn_saved_bytes, whole_traces
+        its recompute setting, traced into the :class:`EstimateCache` (where the estimator composes per piece
+        under sublayer recomputation, the estimates reuse them; where it traces whole chunks they are a part of
+        what each layer of the trace keeps); None once the plan's time is spent."""
+        from k3train.planning.memory import ffn_saved_bytes
 
         B, T = 1, r.cfg.train.seq_len // r.layout.cp  # one row (see ``run``)
-        if whole_traces(r.cfg, r.layout.mbs, T):
-            return None
         key = (B, T, r.layout.recompute)
         if key not in memo:
             memo[key] = self._traced(r, ffn_saved_bytes, B, T, t_end)

@@ -279,8 +279,9 @@ def static_memory_lower_bound(facts: ParamFacts, cfg: Any, part: Any, pp: int, d
     those of the chunk may still be forming) that is a bound too, and at long context the one that rules layouts
     out (a 1M row over few pipeline stages, or many micro-batches in flight).
 
-    ``ffn_saved`` (``recompute`` ``"sublayer"`` or None, a micro-batch the estimator composes per piece:
-    :func:`k3train.planning.memory.ffn_saved_bytes`, ``{is_moe: bytes}``, traced under the same recompute setting):
+    ``ffn_saved`` (``recompute`` ``"sublayer"`` or None: :func:`k3train.planning.memory.ffn_saved_bytes`,
+    ``{is_moe: bytes}``, traced under the same recompute setting; a part of each layer whether the estimator
+    composes the micro-batch per piece or traces its chunks whole):
     each FFN counts what its traced sublayer keeps -- under sublayer recomputation the very bytes the estimator
     composes for it; without recomputation a part of its layer's (the same FFN ops on the same shapes, the mixer's
     output their input) -- the same for every cp, instead of one or two hidden states; the token mixer counts one

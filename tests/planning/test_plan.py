@@ -353,6 +353,9 @@ def test_best_first_ranks_what_tracing_everything_ranks():
     every = Planner(TINY, pins, W, _h100(), exhaustive=True, log=lambda *a: None, cache=cache).run()
     peaks = sorted(r.peak_bytes for r in every.rows if r.peak_bytes is not None)
     assert len(peaks) == len(every.rows) >= 4
+    # the static bound (with each FFN's traced bytes of one row, whole chunks traced here) is below every estimate
+    assert all(r.mem_bound <= r.peak_bytes for r in every.rows), [(r.layout.short(), r.mem_bound, r.peak_bytes)
+                                                                   for r in every.rows]
     dev = _h100(hbm_bytes=peaks[len(peaks) // 2])
     want = Planner(TINY, pins, W, dev, exhaustive=True, log=lambda *a: None, cache=cache).run().ranked()[:k]
     assert len(want) == k and 0 < sum(p <= dev.hbm_bytes for p in peaks) < len(peaks)
