@@ -544,13 +544,15 @@ def routed_share(cfg: Any, lay: Any, i: int, skew: float) -> float:
     return min(1.0, routed / layer_cost(m, min(i, L - 1), cfg.train.seq_len // lay.cp))
 
 
-def side_timeline(ops: list[tuple]) -> tuple[list[tuple[str, float]], dict[str, float]]:
+def side_timeline(ops: list[tuple], in_line: bool = False) -> tuple[list[tuple[str, float]], dict[str, float]]:
     """One thread's program of computes and transfers, executed: ``('c', s)`` computes ``s`` seconds; ``('start',
     name, kind, s)`` starts a transfer of ``s`` link-seconds (async); ``('wait', name)`` blocks until it is done;
     ``('sync', kind, s)`` is a start and its wait. Transfers in flight share the rank's link equally and run while
     the thread computes. Returns the phases the thread spends (``('c', s)`` computing, ``('n', s)`` blocked in a
     wait, consecutive ones merged) and the blocked seconds by the kind of the transfer waited for; transfers still
-    in flight at the end are waited for there, in start order."""
+    in flight at the end are waited for there, in start order. ``in_line``: every transfer is waited for as soon
+    as it starts (a host whose ranks share its cores: computing ranks leave no core for a transfer to progress on,
+    and a collective waits for descheduled peers -- what ``Device.call_cost`` measured)."""
     live: dict[str, list] = {}  # name -> [link-seconds left, kind], in start order
     phases: list[tuple[str, float]] = []
     blocked: dict[str, float] = {}
@@ -589,6 +591,8 @@ def side_timeline(ops: list[tuple]) -> tuple[list[tuple[str, float]], dict[str, 
         elif op[0] == "start":
             if op[3] > 0.0:
                 live[op[1]] = [op[3], op[2]]
+                if in_line:
+                    wait(op[1])
         elif op[0] == "wait":
             if op[1] in live:
                 wait(op[1])
@@ -651,7 +655,8 @@ def _layer_terms(cfg: Any, dev: Device, lay: Any, layer_times: Any, skew: float)
     """Memoised per-layer compute and communication of a layout's ``(mbs, cp, ep, moonep)``: ``(compute, (forward,
     backward) exposed in-action communication, exposed by kind, sent by kind)``. Sent: :func:`comm_per_layer`;
     exposed: what each layer's own thread blocks on when it runs alone (:func:`layer_ops` through
-    :func:`side_timeline`: the dispatcher's transfers overlap its expert compute and each other)."""
+    :func:`side_timeline`: the dispatcher's transfers overlap its expert compute and each other; in line on a host
+    whose ranks share its cores)."""
     key = (id(cfg.model), id(dev), id(layer_times), skew, lay.mbs, lay.cp, lay.ep, lay.moonep, cfg.train.seq_len,
            cfg.train.dtype, cfg.parallel.mla_cp_balance, cfg.parallel.expert_wgrad_split)
     if key not in _MEMO:
@@ -673,7 +678,8 @@ def _layer_terms(cfg: Any, dev: Device, lay: Any, layer_times: Any, skew: float)
             by = {}
             for d, sec in (("f", c[0]), ("b", c[1])):
                 _, blocked = side_timeline(layer_ops(d, kind, x * sec, (1 - x) * sec, own,
-                                                     cfg.parallel.expert_wgrad_split, _dtype_bytes(cfg)))
+                                                     cfg.parallel.expert_wgrad_split, _dtype_bytes(cfg)),
+                                           in_line=dev.shares_cores)
                 by[d] = blocked
             exposed.append({k: (by["f"].get(k, 0.0), by["b"].get(k, 0.0)) for k in kind})
             cf[j] = sum(v[0] for v in exposed[j].values())
@@ -931,7 +937,7 @@ def side_phases(cfg: Any, dev: Device, lay: Any, part: Any, layer_times: Any,
         # ref: the layer's own compute (the head piece: the last layer's, for the MTP layer's experts)
         experts = min(c, routed_share(cfg, lay, i, skew) * ref) if "ep_all_to_all" in kind else 0.0
         ops = layer_ops(d, kind, experts, c - experts, own_row_share(lay, skew, kind), split, es)
-        return side_timeline(ops)[0]
+        return side_timeline(ops, in_line=dev.shares_cores)[0]
 
     def fwd(i: int, t: list[float], kind: dict[str, tuple[float, float]]) -> list[tuple[str, float]]:
         return phases("f", i, t[0], layers[min(i, L - 1)][0], kind)

@@ -123,3 +123,16 @@ def test_expert_wgrad_split_shortens_the_predicted_step():
     ep = {s: preds[s].detail["exposed_by_kind"]["ep_all_to_all"] for s in (False, True)}
     assert ep[False] - ep[True] == pytest.approx(M * sum(a - b for a, b in zip(off, on)), rel=1e-9)
     assert preds[True].step_s < preds[False].step_s
+
+
+def test_in_line_timeline_charges_every_transfer():
+    """On a host whose ranks share its cores (``Device.shares_cores``) the planner overlaps nothing: every
+    transfer is waited for where it starts, so a layer's blocked seconds are all it sends."""
+    from k3train.planning.step_time import layer_ops, side_timeline
+
+    sent = {"ep_all_to_all": (4.0, 4.0), "moonep_replicas": (3.0, 3.5), "kcp": (0.25, 0.5)}
+    for d, i in (("f", 0), ("b", 1)):
+        for split in (False, True):
+            ph, by = side_timeline(layer_ops(d, sent, 8.0, 2.0, 0.75, split, 2), in_line=True)
+            assert sum(by.values()) == pytest.approx(sum(v[i] for v in sent.values()))
+            assert sum(t for k, t in ph if k == "c") == pytest.approx(10.0)
