@@ -178,9 +178,9 @@ class ParallelConfig:
     ep: int = 1  # taken from within dp x cp
     moonep: bool = True
     # F/B pairing (parallel/pairing.py): the forward of micro-batch m+1 runs while the backward of micro-batch m
-    # does, on a second thread and a second EP group, so one side's expert all-to-all waits while the other side
-    # computes; results are bit-identical to false. Applies where Config.ep_overlap() says (ep > 1, more than one
-    # micro-batch per step, cp = 1; at pp > 1 the adjacent F/B computes of each rank's program are paired, see
+    # does, on a second thread and a second EP group (and CP group under cp > 1), so one side's expert
+    # all-to-all and KCP exchanges wait while the other side computes; results are bit-identical to false.
+    # Applies where Config.ep_overlap() says (ep > 1, more than one micro-batch per step; at pp > 1 the adjacent F/B computes of each rank's program are paired, see
     # parallel/pipeline/p2p_programs.py: pair_programs); elsewhere this setting changes nothing
     overlap_ep: bool = True
     # the routed experts' backward under EP computes the input gradients first, sends them home by all-to-all and
@@ -722,7 +722,6 @@ class Config:
         m, p, t = self.model, self.parallel, self.train
         return ("no expert parallelism (ep = 1 or no routed experts)" if p.ep == 1 or m.num_experts == 0
                 else "one micro-batch per step" if t.grad_accum_steps < 2
-                else "context parallelism (cp > 1): its collectives are not split by side" if p.cp > 1
                 else "train.objective=eagle3 runs its own step" if t.objective != "lm"
                 else "")
 

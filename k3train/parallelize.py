@@ -248,10 +248,12 @@ def parallelize(cfg: Config, dims: ParallelDims, device: torch.device) -> Parall
                                          split_wgrad=cfg.parallel.expert_wgrad_split)
         log_moe_layers(runner.modules, dims, cfg.parallel.moonep)
         if paired:
+            if dims.cp > 1:  # the paired forward's KCP / MLA-CP / vision-CP exchanges on a CP group of their own
+                dims.build_twin_groups("cp", "cp_pair")
             runner.enable_pairing(dims.rank)
         if dims.rank == 0 and dims.ep > 1:
             log.info("overlap_ep: %s", "on (the forward of micro-batch m+1 paired with the backward of m, on a "
-                     "second thread and EP group)" if paired else f"off ({why_not})")
+                     "second thread and EP group" + (" and CP group)" if dims.cp > 1 else ")") if paired else f"off ({why_not})")
         if cfg.train.qat != "none" or cfg.train.qat_activations != "none":
             from k3train.quant.qat import apply_qat  # MXFP4 QAT of the routed experts (own shards and replicas)
 

@@ -12,6 +12,10 @@ Hang safety (every rank of the group joins the same collectives in the same orde
 autograd pieces here (:func:`all_gather_autograd`, :func:`tie`) let each KCP op make its exchange's backward run
 on every rank whenever the op's output is used; every decision to communicate is taken from facts all CP ranks
 share (the gathered layout, the shapes), never from local data.
+
+F/B pairing (``parallel.overlap_ep``): ``group`` may be a :class:`parallel.pairing.SidedGroup`; every collective
+here resolves it to the issuing thread's side when it runs (:func:`pg`), so a micro-batch's backward exchanges
+use side 0's CP group even when its forward (and its context) ran on side 1.
 """
 from __future__ import annotations
 
@@ -23,6 +27,8 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from parallel.pairing import resolve_group as pg
 
 
 class CommStats:
@@ -57,6 +63,7 @@ class CommStats:
 
 def group_size_rank(group: Any) -> tuple[int, int]:
     """``(size, rank within group)``; ``(1, 0)`` for ``None``."""
+    group = pg(group)
     if group is None:
         return 1, 0
     return dist.get_world_size(group), dist.get_rank(group)
@@ -70,7 +77,7 @@ def all_gather_stacked(x: torch.Tensor, group: Any, stats: CommStats | None = No
         return x.unsqueeze(0).clone()
     flat = x.contiguous().reshape(-1)
     out = x.new_empty(size * flat.numel())
-    dist.all_gather_single(out, flat, group=group)
+    dist.all_gather_single(out, flat, group=pg(group))
     if stats is not None:
         stats.add(kind, (size - 1) * x.numel() * x.element_size())
     return out.view((size,) + tuple(x.shape))
@@ -87,7 +94,7 @@ def reduce_scatter_stacked(full: torch.Tensor, group: Any, stats: CommStats | No
     # 1-D views: the collective splits the flat input into ``size`` equal pieces in rank order.
     flat = full.contiguous().reshape(-1)
     out = full.new_empty(full.shape[1:])
-    dist.reduce_scatter_single(out.view(-1), flat, group=group)
+    dist.reduce_scatter_single(out.view(-1), flat, group=pg(group))
     if stats is not None:
         stats.add(kind, (size - 1) * out.numel() * out.element_size())
     return out

@@ -39,9 +39,11 @@ logger = logging.getLogger(__name__)
 
 
 def _resolve_group(dims_or_group: Any) -> Any:
-    """A ``ParallelDims`` (its ``'cp'`` group), a process group, or None (CP size 1)."""
+    """A ``ParallelDims`` (its ``'cp'`` group, sided under F/B pairing: ``ParallelDims.sided``), a process group,
+    or None (CP size 1)."""
     if dims_or_group is not None and hasattr(dims_or_group, "group") and hasattr(dims_or_group, "cp_rank"):
-        return dims_or_group.group("cp")
+        sided = getattr(dims_or_group, "sided", None)
+        return sided("cp") if sided is not None else dims_or_group.group("cp")
     return dims_or_group
 
 

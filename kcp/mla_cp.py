@@ -58,7 +58,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kcp.comm import CommStats, all_gather_autograd, group_size_rank
+from kcp.comm import CommStats, all_gather_autograd, group_size_rank, pg
 from kcp.edges import NO_DOC, SegmentEdges
 
 
@@ -81,7 +81,7 @@ def exchange_with_partner(x: Tensor, group: Any, partner: int, stats: CommStats 
     recv = torch.empty_like(send)
     rows = send.shape[0]
     splits = [rows if i == partner else 0 for i in range(size)]
-    dist.all_to_all_single(recv, send, splits, splits, group=group)
+    dist.all_to_all_single(recv, send, splits, splits, group=pg(group))
     if stats is not None:
         stats.add(kind, send.numel() * send.element_size())
     return recv

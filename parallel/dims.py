@@ -18,6 +18,7 @@ Groups (all ``None`` when their size is 1 or torch.distributed is not initialise
     ``ep_pair`` (only after :meth:`build_twin_groups`) a second EP group over the same ranks: side 1 of F/B
               pairing (``parallel.overlap_ep``, parallel/pairing.py), so the paired forward's all-to-alls and the
               backward's never share a group
+    ``cp_pair`` (the same, for ``cp`` under F/B pairing): side 1's CP group; :meth:`sided` hands out both
 
 No module-level globals: the object is built once and passed explicitly.
 """
@@ -198,6 +199,17 @@ class ParallelDims:
                 if self.rank in ranks:
                     self.groups[name] = g
         return self.groups[name]
+
+    def sided(self, kind: str) -> Any:
+        """``kind``'s group for collectives that may run on either F/B-pairing side: a
+        :class:`parallel.pairing.SidedGroup` of ``kind`` and ``kind + '_pair'`` once :meth:`build_twin_groups`
+        built the twin, else ``group(kind)`` (None for a size-1 group)."""
+        g, twin = self.groups.get(kind), self.groups.get(f"{kind}_pair")
+        if g is None or twin is None:
+            return g
+        from parallel.pairing import SidedGroup
+
+        return SidedGroup((g, twin))
 
     def new_group(self, ranks: list[int], desc: str) -> Any:
         """:func:`new_group` with this layout's backend and timeout. Collective over the world."""

@@ -9,6 +9,9 @@ order, the same on every rank of the group. Nothing the two sides share is writt
 writes the forward-only statistics (router loads, MoonEP metrics, QK maxima), the backward side the gradients, in
 the same order as without pairing -- so results are bit-identical to ``overlap_ep: false``.
 
+Groups a module holds across actions (the CP group of a micro-batch's KCP context, whose forward and backward can
+run on different sides) are :class:`SidedGroup` s, resolved to the calling thread's side at every collective.
+
 What runs concurrently is never ordered by a barrier: each side waits only for its own peers (the same side on
 the other ranks). gloo's collectives and torch's ops release the GIL, so the overlap is real on CPU too.
 
@@ -39,6 +42,32 @@ def use_side(side: int) -> Iterator[None]:
         yield
     finally:
         _TLS.side = before
+
+
+class SidedGroup:
+    """One process group per side over the same ranks (``ParallelDims.sided``): a collective issued through it
+    runs on the group of the side of the thread that issues it (:func:`resolve_group`), whichever side built the
+    object that holds it -- a micro-batch's KCP context is built by its forward (maybe side 1) and its backward
+    exchanges run later on side 0. ``groups[k]``: side k's group."""
+
+    def __init__(self, groups: tuple[Any, ...]) -> None:
+        if len(groups) < 2 or any(g is None for g in groups):
+            raise ValueError("SidedGroup needs a real process group for each side")
+        self.groups = tuple(groups)
+
+    def __repr__(self) -> str:
+        return f"SidedGroup({len(self.groups)} sides)"
+
+
+def resolve_group(group: Any) -> Any:
+    """The process group a collective over ``group`` uses on this thread: a :class:`SidedGroup`'s group of
+    :func:`current_side`, anything else (a process group, None, a simulated group) unchanged."""
+    if isinstance(group, SidedGroup):
+        k = current_side()
+        if k >= len(group.groups):
+            raise RuntimeError(f"a collective on pairing side {k}, but its group has {len(group.groups)} sides")
+        return group.groups[k]
+    return group
 
 
 class PairedActionError(RuntimeError):

@@ -13,7 +13,7 @@ tests check this against a brute force over every value).
 Equivalent spellings are listed once, in canonical form: ``vpp=1`` and schedule ``none`` without a pipeline
 (``build_partition`` ignores both at pp=1), the RESOLVED schedule name (``auto`` / ``interleaved`` at vpp=1 run
 1F1B, see ``resolve_schedule``), ``moonep=false`` at ep=1 (no expert parallelism, nothing for MoonEP to do), ``overlap_ep=false`` where F/B
-pairing does not apply (``Config.ep_overlap``: no EP, one micro-batch, cp > 1; the runner then runs unpaired).
+pairing does not apply (``Config.ep_overlap``: no EP, one micro-batch, a draft objective; the runner then runs unpaired).
 
 Dimensions the user pinned on the command line (``--parallel.pp=2``, ``--train.micro_batch_size=1``, ...) are not
 enumerated.

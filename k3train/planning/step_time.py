@@ -154,7 +154,7 @@ def forwards_before_first_backward(schedule: str, pp: int, vpp: int, num_microba
     chunk last: the prefix of :func:`parallel.pipeline.schedules.build_schedule`'s action list up to the first
     backward (``schedule`` 'none': one rank, one forward; ``paired``: the schedule of F/B pairing). Only that
     prefix is built (the planner asks for thousands of (pp, vpp, micro-batches))."""
-    from parallel.pipeline.schedules import interleaved_prefix
+    from parallel.pipeline.schedules import interleaved_prefix, one_f_one_b_warmup
 
     M = num_microbatches
     if pp == 1 or schedule == "none":
@@ -162,7 +162,7 @@ def forwards_before_first_backward(schedule: str, pp: int, vpp: int, num_microba
     if schedule == "afab":
         return [[c for c in range(vpp) for _ in range(M)] + [vpp - 1]] * pp
     if schedule == "1f1b":
-        return [[0] * min(pp - r + int(paired), M) + [0] for r in range(pp)]
+        return [[0] * min(one_f_one_b_warmup(pp, r, M, paired) + 1, M) + [0] for r in range(pp)]
     return [interleaved_prefix(pp, vpp, r, M, paired) for r in range(pp)]
 
 

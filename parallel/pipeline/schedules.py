@@ -17,10 +17,18 @@ Schedules (``M`` micro-batches, ``pp`` ranks, ``vpp`` chunks per rank):
   groups of ``pp`` micro-batches per chunk (forward: chunks ascending, backward: chunks descending); warm-up is
   ``2 (pp - r - 1) + (vpp - 1) pp`` forwards (all of them when ``M == pp``). Needs ``M % pp == 0``.
 * ``paired`` (F/B pairing, ``parallel.overlap_ep``: the runner computes a steady-state F and the B after it at the
-  same time, parallel/pairing.py): 1F1B and interleaved warm up with one more forward (as Megatron's combined 1F1B
-  does). Without it a pair's forward is the one the next stage needs for its own pair's forward, and a pair ends
-  later than a lone forward would (it shares the rank with the backward): every hop of the pipeline waits a whole
-  pair. With it the pair's forward feeds the next stage's *next* pair, one micro-batch of slack.
+  same time, parallel/pairing.py): the warm-ups of consecutive ranks must differ by TWO forwards. Rank r's k-th
+  pair holds ``B(k)``, which needs rank r+1's ``B(k)`` -- in rank r+1's k-th pair, so rank r's pair k starts when
+  rank r+1's pair k ends; and rank r's pair forward ``F(W_r + k)`` is what rank r+1 runs in its pair
+  ``k + W_r - W_{r+1}``. With a difference of one, that is rank r+1's next pair, which then waits for the forward
+  side of rank r's pair (a pair's forward ends late: it shares the rank with the backward): every pair of every
+  rank waits on its neighbour and the step stretches to about ``F + B`` per pair plus that forward side (the
+  planner predicted K3 at 4K, pp 32 1F1B, 45.3 s paired against 29.9 s unpaired). With two, rank r's pair k
+  feeds rank r+1's pair k+2 and waits for rank r+1's pair k, both finished one pair earlier: no rank waits in
+  the steady state. Interleaved 1F1B already warms up ``2 (pp - r - 1)`` (+ ``(vpp - 1) pp``) forwards and takes
+  one more (as Megatron's combined 1F1B does: the last rank's pair forward must be of another micro-batch than
+  its backward); 1F1B takes ``2 (pp - r - 1) + 1``, holding up to ``2 pp - 1`` micro-batches in flight on rank 0
+  instead of ``pp`` (Megatron pairs under pipelining with the interleaved schedule only).
 
 Bubble (idle) fraction with equal stages, forward time f and backward b, no communication time:
 ``(pp - 1) / (vpp * M + pp - 1)`` for 1F1B and interleaved 1F1B (idle time ``(pp-1)(f+b)/vpp`` against ideal
@@ -101,8 +109,13 @@ def check_num_microbatches(schedule: str, pp: int, vpp: int, num_microbatches: i
                           f"micro-batches per step ({M}) to be a positive multiple of parallel.pp = {pp}")
 
 
+def one_f_one_b_warmup(pp: int, rank: int, M: int, paired: bool = False) -> int:
+    """The forwards 1F1B runs on ``rank`` before its steady state (module docstring; ``paired``: F/B pairing's)."""
+    return min(2 * (pp - rank - 1) + 1 if paired else pp - rank - 1, M)
+
+
 def _one_f_one_b(pp: int, rank: int, M: int, paired: bool = False) -> list[Action]:
-    warmup = min(pp - rank - 1 + int(paired), M)
+    warmup = one_f_one_b_warmup(pp, rank, M, paired)
     acts = [Action("F", 0, m) for m in range(warmup)]
     for i in range(M - warmup):
         acts += [Action("F", 0, warmup + i), Action("B", 0, i)]
@@ -165,8 +178,8 @@ def check_schedule(schedule: str, pp: int, vpp: int, num_microbatches: int) -> N
 def build_schedule(schedule: str, pp: int, vpp: int, num_microbatches: int,
                    paired: bool = False) -> list[list[Action]]:
     """Per pipeline rank, the ordered actions of one training step (``schedule`` as resolved by
-    :func:`resolve_schedule`). ``paired``: the schedule F/B pairing runs (module docstring: one more warm-up
-    forward). Pure: no processes, no tensors."""
+    :func:`resolve_schedule`). ``paired``: the schedule F/B pairing runs (module docstring: warm-ups two forwards
+    apart). Pure: no processes, no tensors."""
     check_schedule(schedule, pp, vpp, num_microbatches)
     if schedule == "afab":
         return [_afab(vpp, num_microbatches) for _ in range(pp)]

@@ -1,7 +1,9 @@
 """``parallel.overlap_ep`` (F/B pairing, parallel/pairing.py) through the real trainer step at dp = 2 x ep = 2,
 three micro-batches per rank (two paired actions per step): overlap on vs off gives bit-identical per-step
 losses and grad norms, every parameter gradient after every step, and every parameter and optimizer-state entry
-after 3 steps -- with MoonEP, without it, and with activation recomputation. The same at pp = 2 x vpp = 2 x dp = 2
+after 3 steps -- with MoonEP, without it, and with activation recomputation; and at cp = 2 x ep = 2 (the KCP
+and MLA-CP exchanges of the two sides on ``cp`` and ``cp_pair``, every group's collectives identical across its
+ranks). The same at pp = 2 x vpp = 2 x dp = 2
 x ep = 2 (MoonEP, ZeRO-2: the chunk hooks after a pair), four micro-batches: the interleaved schedule's adjacent
 F/B computes paired (p2p_programs.pair_programs), the collectives of every group (``ep`` and ``ep_pair`` apart)
 identical across its ranks.
@@ -24,6 +26,7 @@ from trainer_parity import parity_cfg
 
 WORLD, STEPS = 2, 3
 EP = ["--parallel.ep=2", "--train.global_batch_size=6"]  # dp 2 (auto), 3 micro-batches per rank
+CP_EP = ["--parallel.cp=2", "--parallel.ep=2", "--train.global_batch_size=3"]  # dp 1, 3 micro-batches
 VARIANTS = [("moonep", []), ("no_moonep", ["--parallel.moonep=false"]), ("moonep_recompute",
                                                                          ["--parallel.recompute=true"])]
 
@@ -69,16 +72,37 @@ def _fails(tr, spec: str, side: str) -> None:
     dist.barrier()  # no rank hangs, and every group is still in step
 
 
+def _compare(name: str, off: tuple, on: tuple) -> None:
+    (_, off_steps, off_params, off_state), (_, on_steps, on_params, on_state) = off, on
+    for s, ((l0, n0, g0), (l1, n1, g1)) in enumerate(zip(off_steps, on_steps)):
+        assert (l0, n0) == (l1, n1), f"{name} step {s + 1}: loss/grad norm {(l0, n0)} vs {(l1, n1)}"
+        _same(g0, g1, f"{name} step {s + 1} gradient")
+    _same(off_params, on_params, f"{name} parameter")
+    _same(off_state, on_state, f"{name} optimizer state")
+
+
+def _cp_variant(out: Path, rank: int) -> None:
+    """cp 2 x ep 2 (dp 1, MoonEP, 3 micro-batches): the paired forward's KCP / MLA-CP exchanges (built in its
+    context on side 1) on ``cp_pair``, its backward's later on ``cp`` (SidedGroup), bit-identical to unpaired."""
+    from collective_trace import assert_collectives_match, trace_collectives
+
+    off = _run(out / "cp_off", [], False, ep=CP_EP)
+    with trace_collectives() as trace:
+        on = _run(out / "cp_on", [], True, ep=CP_EP)
+    everyone = assert_collectives_match(trace)
+    descs = {e.desc for e in everyone[rank]}
+    assert {"cp", "cp_pair", "ep", "ep_pair"} <= descs, descs
+    _compare("cp2 ep2", off, on)
+
+
 def _body(rank: int, world: int, out: str) -> None:
+    _cp_variant(Path(out), rank)
     for name, layout in VARIANTS:
         keep = name == VARIANTS[-1][0]
-        _, off_steps, off_params, off_state = _run(Path(out) / f"{name}_off", layout, False)
-        tr, on_steps, on_params, on_state = _run(Path(out) / f"{name}_on", layout, True, keep=keep)
-        for s, ((l0, n0, g0), (l1, n1, g1)) in enumerate(zip(off_steps, on_steps)):
-            assert (l0, n0) == (l1, n1), f"{name} step {s + 1}: loss/grad norm {(l0, n0)} vs {(l1, n1)}"
-            _same(g0, g1, f"{name} step {s + 1} gradient")
-        _same(off_params, on_params, f"{name} parameter")
-        _same(off_state, on_state, f"{name} optimizer state")
+        off = _run(Path(out) / f"{name}_off", layout, False)
+        on = _run(Path(out) / f"{name}_on", layout, True, keep=keep)
+        _compare(name, off, on)
+        tr = on[0]
     # forced failures inside one side of a pair, on every rank
     _fails(tr, "pair_forward:1", "forward of micro-batch 1")
     _fails(tr, "pair_backward:1", "backward of micro-batch 1")

@@ -11,7 +11,7 @@ from parallel.pipeline.p2p_programs import pair_programs
 from parallel.pipeline.schedules import build_schedule, deps_of
 
 
-@pytest.mark.parametrize("name,pp,vpp,m", [("1f1b", 2, 1, 4), ("1f1b", 4, 1, 8), ("interleaved", 2, 2, 4),
+@pytest.mark.parametrize("name,pp,vpp,m", [("1f1b", 2, 1, 4), ("1f1b", 4, 1, 16), ("interleaved", 2, 2, 4),
                                            ("interleaved", 4, 2, 8), ("interleaved", 8, 4, 32), ("afab", 2, 1, 4)])
 def test_pair_programs(name: str, pp: int, vpp: int, m: int) -> None:
     programs = build_programs(build_schedule(name, pp, vpp, m, paired=True), pp, vpp)

@@ -47,16 +47,18 @@ def test_1f1b_shape() -> None:
         assert peak == min(4 - r, 6)
 
 
-def test_paired_schedule_warms_up_one_forward_more() -> None:
-    """F/B pairing's schedule (``paired``): every 1F1B / interleaved rank runs one more forward before its first
-    backward (capped by the micro-batches), the rest of the order unchanged; AFAB as it was."""
+def test_paired_schedule_warms_up_two_forwards_apart() -> None:
+    """F/B pairing's schedule (``paired``): the warm-ups of consecutive ranks differ by two forwards (module
+    docstring) -- interleaved 1F1B runs one more forward than unpaired before its first backward, 1F1B
+    ``2 (pp - r - 1) + 1`` -- capped by the micro-batches, the rest of the order unchanged; AFAB as it was."""
     for kind, pp, vpp, M in (("1f1b", 4, 1, 6), ("1f1b", 4, 1, 3), ("interleaved", 4, 2, 8), ("interleaved", 2, 3, 4),
                              ("interleaved", 2, 2, 2)):
         plain, paired = build_schedule(kind, pp, vpp, M), build_schedule(kind, pp, vpp, M, paired=True)
         for r in range(pp):
             warm = [next(i for i, a in enumerate(s[r]) if a.kind == "B") for s in (plain, paired)]
             total = sum(a.kind == "F" for a in plain[r])
-            assert warm[1] == min(warm[0] + 1, total), (kind, pp, vpp, M, r, warm)
+            want = warm[0] + 1 if kind == "interleaved" else 2 * (pp - r - 1) + 2
+            assert warm[1] == min(want, total), (kind, pp, vpp, M, r, warm)
             assert [a for a in paired[r] if a.kind == "F"] == [a for a in plain[r] if a.kind == "F"]
             assert [a for a in paired[r] if a.kind == "B"] == [a for a in plain[r] if a.kind == "B"]
     assert build_schedule("afab", 2, 2, 4, paired=True) == build_schedule("afab", 2, 2, 4)

@@ -59,17 +59,18 @@ def test_pair_first_compute_sends_when_its_side_ends():
         assert a == pytest.approx(b)
 
 
-def test_paired_schedule_gives_each_pair_a_micro_batch_of_slack():
-    """Interleaved pp = 4 x vpp = 2, 8 micro-batches, expert all-to-all as long as the compute around it: paired
-    programs built from F/B pairing's schedule (one more warm-up forward, ``build_schedule(paired=True)``) end
-    sooner than the same pairing of the plain schedule, where a pair's forward feeds the next stage's *current*
-    pair and every hop waits a whole pair (the K3 4K recipe was predicted slower paired than not, 57.1 vs 48.6 s,
-    before the runtime took this schedule)."""
+@pytest.mark.parametrize("kind,pp,vpp,m", [("interleaved", 4, 2, 8), ("1f1b", 4, 1, 8), ("1f1b", 3, 1, 9)])
+def test_paired_schedule_gives_each_pair_slack(kind, pp, vpp, m):
+    """Expert all-to-all as long as the compute around it: paired programs built from F/B pairing's schedule
+    (warm-ups two forwards apart, ``build_schedule(paired=True)``) end sooner than the same pairing of the plain
+    schedule, where a pair's forward feeds the next stage's *current* pair and every hop waits a whole pair, and
+    sooner than unpaired (the K3 4K recipe was predicted slower paired than not, 57.1 vs 48.6 s, before the
+    interleaved schedule took one more warm-up forward; pp 32 1F1B 45.3 vs 29.9 s before 1F1B's warm-ups were
+    two forwards apart)."""
     from parallel.pipeline.p2p import build_programs
     from parallel.pipeline.p2p_programs import pair_programs
     from parallel.pipeline.schedules import build_schedule
 
-    pp, vpp, m = 4, 2, 8
     n_st = pp * vpp
     costs = ActionCosts(f=[1.0] * n_st, b=[2.0] * n_st, f_comm=[1.0] * n_st, b_comm=[2.0] * n_st,
                         msg_s={v: (0.01, 0.05) for v in range(n_st)})
@@ -77,10 +78,10 @@ def test_paired_schedule_gives_each_pair_a_micro_batch_of_slack():
     b_ph = [[("c", 1.0), ("n", 2.0), ("c", 1.0)]] * n_st
     spans = {}
     for paired in (False, True):
-        programs, firsts = pair_programs(build_programs(build_schedule("interleaved", pp, vpp, m, paired), pp, vpp),
+        programs, firsts = pair_programs(build_programs(build_schedule(kind, pp, vpp, m, paired), pp, vpp),
                                          pp, vpp)
         spans[paired] = simulate_programs(programs, pp, vpp, costs, 1, None, (firsts, f_ph, b_ph)).makespan
-    unpaired = simulate_programs(build_programs(build_schedule("interleaved", pp, vpp, m), pp, vpp), pp, vpp, costs,
+    unpaired = simulate_programs(build_programs(build_schedule(kind, pp, vpp, m), pp, vpp), pp, vpp, costs,
                                  1, None).makespan
     assert spans[True] < spans[False] - 1.0, spans
     assert spans[True] < unpaired, (spans, unpaired)

@@ -244,7 +244,7 @@ def test_multimodal_data_needs_the_vision_tower():
 
 def test_overlap_ep_applies_where_it_can():
     """``parallel.overlap_ep`` (F/B pairing): a bool, default on; on only with ep > 1, several micro-batches per
-    step and cp = 1 (Config.ep_overlap says why not otherwise)."""
+    step, under context parallelism too (Config.ep_overlap says why not otherwise)."""
     def ep_overlap(*over: str, world: int = 4):
         return load_config(TINY, ["--parallel.ep=2", "--train.micro_batch_size=1", "--train.global_batch_size=8",
                                   *over],
@@ -256,6 +256,6 @@ def test_overlap_ep_applies_where_it_can():
     assert ep_overlap("--parallel.ep=1")[1].startswith("no expert parallelism")
     assert ep_overlap("--train.global_batch_size=4")[1] == "one micro-batch per step"
     assert ep_overlap("--parallel.pp=2", "--parallel.vpp=2", "--train.global_batch_size=4") == (True, "")
-    assert ep_overlap("--parallel.cp=2", "--train.global_batch_size=4")[1].startswith("context parallelism")
+    assert ep_overlap("--parallel.cp=2", "--train.global_batch_size=4") == (True, "")  # dp 2 cp 2: 2 micro-batches
     with pytest.raises(ConfigError, match="parallel.overlap_ep"):
         load_config(TINY, ["--parallel.overlap_ep=sometimes"])
