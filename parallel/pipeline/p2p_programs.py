@@ -21,7 +21,11 @@ Two orders (``build_programs(..., post_ahead=)``):
   ends' wishes conflict (rank a wants the receive of y before the compute that produces x, rank b the receive of
   x before the compute that produces y: inherent in 1F1B, whose alternating F/B exchanges both directions
   between the same computes) one receive is posted later, at the latest right before its consumer, so the pair
-  sequences stay identical and deadlock-free. :func:`recv_lead` counts how many receives are ahead.
+  sequences stay identical and deadlock-free. :func:`recv_lead` counts how many receives are ahead. Where that
+  order deadlocks under the transport model (AFAB with several chunks and many micro-batches: the next chunk's
+  inputs are ready while the receiver still runs this chunk's forward of every micro-batch, and a sender waits
+  at most one compute for its send), every receive whose receiver would reach its gap only after the send must
+  have completed is posted by then instead (:func:`_latest_recv_gap`; the receive buffer is held longer).
 
 Vision encoder actions (``EF``/``EB``, schedules.py) are local computes of the first rank without messages: the
 programs are built from the F/B schedule alone and each encoder compute is then put right before the next F/B
@@ -64,7 +68,14 @@ def build_programs(sched: list[list[Action]], pp: int, vpp: int, sim: SimResult 
     if sim is not None and [len(x) for x in sim.start] != [len(x) for x in base]:
         raise ValueError("build_programs: sim must be the simulation of the F/B schedule (no encoder actions)")
     sim = sim or simulate(base, pp, vpp)
-    progs = (_programs_posted_ahead if post_ahead else _programs_by_time)(base, placement, sim)
+    if not post_ahead:
+        progs = _programs_by_time(base, placement, sim)
+    else:
+        progs = _programs_posted_ahead(base, placement, sim, early=False)
+        try:
+            run_programs(progs, pp, vpp, ordered=True)
+        except RuntimeError:  # a sender would wait for good on a receive posted at its consumer (AFAB, vpp > 1)
+            progs = _programs_posted_ahead(base, placement, sim, early=True)
     return insert_encoder_computes(progs, sched) if base != sched else progs
 
 
@@ -111,7 +122,8 @@ def _programs_by_time(sched: list[list[Action]], pl: Placement, sim: SimResult) 
     return programs
 
 
-def _programs_posted_ahead(sched: list[list[Action]], pl: Placement, sim: SimResult) -> list[list[Instr]]:
+def _programs_posted_ahead(sched: list[list[Action]], pl: Placement, sim: SimResult,
+                           early: bool) -> list[list[Instr]]:
     pp, vpp = pl.pp, pl.vpp
     # gap g of a rank: the slot right before its compute g (g = len: after the last compute)
     send_gap: dict[Message, int] = {}  # the gap right after the producing compute (sender)
@@ -123,6 +135,8 @@ def _programs_posted_ahead(sched: list[list[Action]], pl: Placement, sim: SimRes
             for m in deps_of(a, r, pp, vpp):
                 consumer[m] = i
     route = {m: message_route(m, pl) for m in send_gap}
+    latest = {m: _latest_recv_gap(m, route[m], send_gap[m], consumer[m], sim) if early
+              else max(consumer[m] - 1, 0) for m in send_gap}
     gap: dict[tuple[Message, str], int] = {}  # (msg, 'send'|'recv') -> gap on that end
     pos: dict[Message, int] = {}  # position in its rank pair's sequence
     for a in range(pp):
@@ -135,7 +149,7 @@ def _programs_posted_ahead(sched: list[list[Action]], pl: Placement, sim: SimRes
                 """(send gap, recv gap, missed, delayed) of ``m`` placed next after floors ``fl``."""
                 s, d = route[m]
                 sg = max(send_gap[m], fl[s])
-                want = max(consumer[m] - 1, 0)
+                want = latest[m]
                 rg = max(want, fl[d])
                 return sg, rg, int(rg > want), int(sg > send_gap[m])
 
@@ -179,6 +193,29 @@ def _programs_posted_ahead(sched: list[list[Action]], pl: Placement, sim: SimRes
         items.sort(key=lambda x: x[0])
         programs.append([ins for _, ins in items])
     return programs
+
+
+def _latest_recv_gap(m: Message, route: tuple[int, int], send_gap: int, consumer: int, sim: SimResult) -> int:
+    """The gap of the receiver to post ``m``'s receive in when one compute before every consumer deadlocks
+    (:func:`build_programs` falls back to it): one compute before its consumer, unless the receiver
+    gets there (in the simulated schedule) only after the sender must see the send complete -- before its
+    compute ``send_gap + 1`` (``complete_sends``: a send waits at most one compute) -- then its last gap that
+    starts no later than the sender's compute ``send_gap`` (the send's post, plus that compute). Under AFAB with
+    several chunks the next chunk's inputs arrive while the receiver still runs this chunk's forwards of every
+    micro-batch: posted one compute before their consumers the sender would block on them, and its neighbours
+    on it, for good (a hang at pp 4, vpp 2, 16 micro-batches)."""
+    s, d = route
+    want = max(consumer - 1, 0)
+    ends = sim.end[d]
+    if send_gap + 1 >= len(sim.start[s]):  # no compute of the sender waits on this send
+        return want
+    deadline = sim.start[s][send_gap + 1]
+    if want == 0 or ends[want - 1] <= deadline:  # the receiver reaches that gap in time
+        return want
+    g = want
+    while g > 0 and ends[g - 1] > sim.start[s][send_gap]:
+        g -= 1
+    return g
 
 
 def check_programs(programs: list[list[Instr]], pp: int, vpp: int) -> None:

@@ -133,3 +133,26 @@ def test_placement() -> None:
     for bad in (lambda: pl.rank_of(12), lambda: pl.stage(4, 0), lambda: pl.stage(0, 3), lambda: Placement(0, 1)):
         with pytest.raises(ValueError):
             bad()
+
+
+@pytest.mark.parametrize("paired", [False, True])
+@pytest.mark.parametrize("kind,pp,vpp", [("afab", 4, 2), ("afab", 8, 3), ("afab", 3, 4), ("interleaved", 4, 2),
+                                         ("interleaved", 8, 3), ("1f1b", 8, 1)])
+def test_many_micro_batches_never_block_a_sender(kind: str, pp: int, vpp: int, paired: bool) -> None:
+    """Many micro-batches per step: under AFAB with several chunks the next chunk's inputs are ready while the
+    receiver still runs every micro-batch's forward of this chunk; posted one compute before their consumer,
+    their sends would not complete within the compute a sender waits (``complete_sends``) and the pipeline
+    hung (pp 4, vpp 2, 16 micro-batches: the trainer stopped at its collective timeout). Such a receive is posted
+    by the time its send is; every program stays consistent, and deadlock-free under both transports (and under
+    F/B pairing, whose pairing runs the ordered model too)."""
+    from parallel.pipeline.p2p_programs import pair_programs
+
+    for M in sorted({4 * pp, 6 * pp, 37 if kind != "interleaved" else 5 * pp}):
+        progs = build_programs(build_schedule(kind, pp, vpp, M, paired), pp, vpp)
+        check_programs(progs, pp, vpp)
+        run_programs(progs, pp, vpp, ordered=True)
+        run_programs(progs, pp, vpp, ordered=False)
+        if paired:
+            pair_programs(progs, pp, vpp)
+        if kind != "afab":  # where one compute ahead does not deadlock, every receive stays there
+            assert max(_lead_per_recv(progs, pp, vpp), default=0) <= 1, (kind, pp, vpp, M)

@@ -126,3 +126,36 @@ def test_pairing_hides_expert_all_to_all_in_the_prediction(pins):
         assert on.bubble > off.bubble
     for p in (on, off):
         assert sum(p.detail["exposed_by_kind"].values()) == pytest.approx(p.exposed_comm, rel=1e-9)
+
+
+@pytest.mark.parametrize("slow", [False, True], ids=["h100", "slow-links"])
+def test_step_time_lower_bound_is_below_every_prediction(slow):
+    """The planner skips a layout whose step-time lower bound is not below the top-th fitting prediction, so the
+    bound must never exceed the layout's own prediction: over a spread of world-4 layouts (pp 1-4, interleaved
+    and 1F1B, cp, ep, MoonEP, recompute, paired and not), on a device where compute dominates and on one where
+    the expert all-to-all is as long as compute (the paired bound's comm term binds)."""
+    from k3train.planning.devices import PUBLISHED
+    from k3train.planning.layouts import Validator, enumerate_layouts
+    from k3train.planning.plan import Planner
+    from k3train.planning.step_time import ParamFacts, compute_lower_bound, pairs_actions, predict
+
+    dev = PUBLISHED["h100"]
+    if slow:
+        dev = dataclasses.replace(dev, peak_flops=2e10, nvlink_bw=1e9, internode_bw=1e9)
+    pairs, _ = enumerate_layouts(TINY, ["--train.global_batch_size=16", "--parallel.zero=1"], 4)
+    pairs = pairs[:: max(1, len(pairs) // 150)]
+    base = pairs[0][1]
+    facts, val = ParamFacts.build(base), Validator(base, 4)
+    planner = Planner(TINY, [], 4, dev, log=lambda *a: None)
+    tight = 0
+    kinds = set()
+    for lay, cfg in pairs:
+        part = val.partition(cfg)
+        lb = compute_lower_bound(cfg, lay, part, dev, facts, None, 1.5, None)
+        programs = planner.programs(lay, cfg.train.grad_accum_steps, pairs_actions(cfg))
+        pred = predict(cfg, lay, part, programs, dev, facts, None, 1.5, None)
+        assert 0 < lb <= pred.step_s * (1 + 1e-9), (lay.short(), lb, pred.step_s)
+        tight += lb >= 0.7 * pred.step_s
+        kinds.add((lay.pp > 1, lay.cp > 1, pairs_actions(cfg)))
+    assert len(kinds) >= 6, kinds  # the sample spans pipelines, CP and pairing
+    assert tight >= len(pairs) // 4, (tight, len(pairs))  # and the bound is not vacuous
