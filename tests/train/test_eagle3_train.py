@@ -42,8 +42,10 @@ PARAM_ATOL_LATER = 1e-4
 # tensor's max |value| (fp32 summation order only). Later steps start from parameters that differ by fp32 noise, and
 # under QAT such noise can move an expert weight across an MXFP4 rounding boundary -- a whole quantization step for
 # that element (measured: one gradient entry at 5.7e-3 of its tensor's scale at step 3) -- so there each tensor is
-# held to ||mine - ref|| <= LATER_REL_TOL ||ref||. A lost micro-batch or rank moves a gradient by O(its norm).
-STEP1_SCALE_TOL, LATER_REL_TOL = 3e-6, 1e-3
+# held to ||mine - ref|| <= LATER_REL_TOL ||ref||. The same happens to an MXFP8-rounded expert input: one token's
+# activation a step apart changes whole rows of w_down's gradient (measured on the CI host, dp2 ep2 MoonEP step 3:
+# 1.35e-3 of the norm, spread over 4 rows of 32). A lost micro-batch or rank moves a gradient by O(its norm).
+STEP1_SCALE_TOL, LATER_REL_TOL = 3e-6, 5e-3
 
 
 def _draft_cfg(out: Path, target: Path, world: int, layout: list[str], extra: list[str] = ()):
