@@ -258,6 +258,21 @@ class Planner:
         heap = [(r.lower_bound_s, i, r) for i, r in enumerate(live)]  # ``live`` is sorted: already a heap
         index = {r.layout: i for i, r in enumerate(live)}
 
+        def bound_with_ends(r: Row, ends) -> None:  # the bound with the first and last stage's traced pieces
+            args, ffn, mix = refine.pop(r.bound_key)
+            bound_memo[r.bound_key] = static_memory_lower_bound(*args, ffn_saved=ffn, mixer=mix, ends=ends)
+            r.mem_bound = bound_memo[r.bound_key]
+
+        def too_big_with_ends(r: Row, note: str) -> None:  # over the device on that bound: the descent goes on
+            nonlocal n_late
+            seen.add(r.layout)
+            r.fits, r.skipped = False, "bound"
+            n_late += 1
+            self.log(f"  memory of {r.layout.short()}: over its bound with the embedding and head pieces, "
+                     f"{_gib(r.mem_bound)} GiB {note}")
+            if not self.exhaustive:
+                self._too_big_follow_ups(r, by_layout, seen, urgent, families)
+
         def next_row() -> tuple[Row | None, bool]:
             while urgent or heap:
                 from_urgent = bool(urgent)
@@ -292,18 +307,9 @@ class Planner:
             if r.pred is None and r.bound_key in refine and ends_memo.get(ends_key) is not None:
                 # the end pieces at its cp are traced already: the bound with them before a simulation (a fitting
                 # layout's AFAB sibling at many micro-batches is far over it, and simulating it costs seconds)
-                args, ffn, mix = refine.pop(r.bound_key)
-                bound_memo[r.bound_key] = static_memory_lower_bound(*args, ffn_saved=ffn, mixer=mix,
-                                                                    ends=ends_memo[ends_key])
-                if bound_memo[r.bound_key] > self.dev.hbm_bytes:
-                    r.mem_bound = bound_memo[r.bound_key]
-                    seen.add(lay)
-                    r.fits, r.skipped = False, "bound"
-                    n_late += 1
-                    self.log(f"  memory of {lay.short()}: over its bound with the embedding and head pieces, "
-                             f"{_gib(r.mem_bound)} GiB (not simulated)")
-                    if not self.exhaustive:
-                        self._too_big_follow_ups(r, by_layout, seen, urgent, families)
+                bound_with_ends(r, ends_memo[ends_key])
+                if r.mem_bound > self.dev.hbm_bytes:
+                    too_big_with_ends(r, "(not simulated)")
                     continue
             if bound_memo[r.bound_key] != r.mem_bound:
                 r.mem_bound = bound_memo[r.bound_key]
@@ -344,22 +350,16 @@ class Planner:
             # 45 s), and what it traced of the model stays cached
             self.cache.deadline = None if self.exhaustive else min(ts + self.trace_budget_s - t_mem, t_end)
             try:
-                if r.bound_key in refine:  # the bound with the first and last stage's pieces (traced at this cp
-                    # for the estimate anyway: the same cache entries): over the device, too big without the rest
-                    args, ffn, mix = refine.pop(r.bound_key)
+                if r.bound_key in refine:  # the end pieces traced at this cp (for the estimate anyway: the same
+                    # cache entries): over the device, too big without the rest
                     ends = self._per_cp(r, end_bytes, ends_memo, self.cache.deadline)
                     if ends is None:
                         raise TraceDeadline()
-                    bound_memo[r.bound_key] = static_memory_lower_bound(*args, ffn_saved=ffn, mixer=mix, ends=ends)
+                    bound_with_ends(r, ends)
                 r.mem_bound = bound_memo[r.bound_key]
                 if r.mem_bound > self.dev.hbm_bytes:
-                    r.fits, r.skipped = False, "bound"
-                    n_late += 1
                     t_mem += time.perf_counter() - ts
-                    self.log(f"  memory of {lay.short()}: over its bound with the embedding and head pieces, "
-                             f"{_gib(r.mem_bound)} GiB [{time.perf_counter() - ts:.1f} s]")
-                    if not self.exhaustive:
-                        self._too_big_follow_ups(r, by_layout, seen, urgent, families)
+                    too_big_with_ends(r, f"[{time.perf_counter() - ts:.1f} s]")
                     continue
                 self.trace(r)
             except TraceDeadline:
