@@ -74,8 +74,9 @@ def build_programs(sched: list[list[Action]], pp: int, vpp: int, sim: SimResult 
         progs = _programs_posted_ahead(base, placement, sim, early=False)
         try:
             run_programs(progs, pp, vpp, ordered=True)
-        except RuntimeError:  # a sender would wait for good on a receive posted at its consumer (AFAB, vpp > 1)
+        except ProgramDeadlock:  # a sender would wait for good on a receive posted at its consumer (AFAB, vpp > 1)
             progs = _programs_posted_ahead(base, placement, sim, early=True)
+            run_programs(progs, pp, vpp, ordered=True)  # still deadlocked: the error here, never a hang in a step
     return insert_encoder_computes(progs, sched) if base != sched else progs
 
 
@@ -253,10 +254,14 @@ def _pair_seq(programs: list[list[Instr]], pl: Placement, r: int, peer: int) -> 
     return [i.msg for i in programs[r] if i.op != "compute" and set(message_route(i.msg, pl)) == {r, peer}]
 
 
+class ProgramDeadlock(RuntimeError):
+    """The programs deadlock under the transport model (:func:`run_programs`)."""
+
+
 def run_programs(programs: list[list[Instr]], pp: int, vpp: int, ordered: bool = True) -> None:
     """Execute the programs under the transport model of the module docstring (``ordered``: pair operations
     complete in posting order, as on NCCL; otherwise matched by tag, as on gloo), without tensors. Raises
-    RuntimeError on deadlock, naming what every blocked rank waits for."""
+    :class:`ProgramDeadlock` on deadlock, naming what every blocked rank waits for."""
     pl = Placement.of(pp, vpp)
     pair_of = {}
     seqs: dict[tuple[int, int], list[Message]] = {}
@@ -311,13 +316,13 @@ def run_programs(programs: list[list[Instr]], pp: int, vpp: int, ordered: bool =
         if all(pc[r] == len(programs[r]) for r in range(pp)):
             left = [m for m in pair_of if m not in complete]
             if left:
-                raise RuntimeError(f"p2p programs deadlock at the end of the step: incomplete {left[:6]}")
+                raise ProgramDeadlock(f"p2p programs deadlock at the end of the step: incomplete {left[:6]}")
             return
         if not moved:
             waits = {r: (programs[r][pc[r]], [m for g, m in pending[r] if g <= computed[r] - 1],
                          [m for m in deps_of(programs[r][pc[r]].action, r, pp, vpp) if m not in complete])
                      for r in range(pp) if pc[r] < len(programs[r])}
-            raise RuntimeError(f"p2p programs deadlock; blocked ranks (instr, sends, receives): {waits}")
+            raise ProgramDeadlock(f"p2p programs deadlock; blocked ranks (instr, sends, receives): {waits}")
 
 
 def recv_lead(programs: list[list[Instr]], pp: int, vpp: int) -> tuple[int, int]:
