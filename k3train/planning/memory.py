@@ -663,6 +663,19 @@ def piece_depends_on_cp(cfg: Config, key: tuple, media: MediaCase | None) -> boo
     return True
 
 
+def piece_local_experts(model: nn.Module, a: int, b: int, last: bool, sub: str | None) -> int:
+    """The local experts of the LatentMoEs a piece runs (layers ``[a, b)``, or sublayer ``sub`` of layer ``a``;
+    the MTP layer with the head): what its traced bytes depend on besides the tokens (:func:`trace_piece`); 0 for
+    a piece without routed experts."""
+    from k3train.model.moe import LatentMoE
+
+    mods = [] if sub == "mixer" else [model.layers[str(i)] for i in range(a, b)]
+    if last and getattr(model, "mtp", None) is not None:
+        mods.append(model.mtp)
+    return max((m.experts.num_experts for mod in mods for m in mod.modules() if isinstance(m, LatentMoE)),
+               default=0)
+
+
 def trace_piece(cfg: Config, model: nn.Module, fake: FakeTensorMode, cache: dict, key: tuple, a: int, b: int,
                 fst: bool, lst: bool, sub: str | None = None, chunks: tuple[int, ...] = (), kind: str = "", *,
                 B: int, T: int, cp_rank: int = 0, media: MediaCase | None = None,
@@ -678,10 +691,11 @@ def trace_piece(cfg: Config, model: nn.Module, fake: FakeTensorMode, cache: dict
     chunk_rc = recompute and unit is None  # the whole chunk one region: pieces traced without recomputation
     C = cfg.parallel.cp if piece_depends_on_cp(cfg, key, media) else 1
     # the fits depend on the rows, the CP size and balance (pieces that read the sequence layout), the dtype, the
-    # recompute unit, the token counts traced; the encoder's on the media and block recompute. Not on ep, up to the
-    # per-expert bookkeeping (tens of bytes per local expert and layer): every N*k route row is computed on the
-    # rank's shard (``_ShardDispatcher``) and expert weight gradients accumulate into the pre-set ``.grad`` (counted
-    # from the parameters), so one trace serves every ep (tests/planning/test_memory_compose.py)
+    # recompute unit, the token counts traced; the encoder's on the media and block recompute; a piece that runs a
+    # LatentMoE on its local expert count (:func:`piece_local_experts`: the backward computes one expert weight's
+    # gradient for all local experts before it accumulates into ``.grad``, at K3 width 22 MB an expert -- 2.3 GiB at
+    # ep 8, 18 GiB at ep 1), so per ep; the route rows are not (every N*k row is computed on the rank's shard,
+    # ``_ShardDispatcher``)
     mla = kind == "mla"  # its traces on short documents, at CP ranks 0 and 1 (its keys depend on the rank)
     bk = cfg.model.mla_block_size
     base = (KDA_COMPOSE_TOKENS if kind == "kda" else (bk * B, 2 * bk * B, 4 * bk * B) if mla
@@ -693,7 +707,8 @@ def trace_piece(cfg: Config, model: nn.Module, fake: FakeTensorMode, cache: dict
         if line is not None:
             return line
     ck = key + (B, C, cfg.train.dtype, cfg.parallel.mla_cp_balance if C > 1 else None,
-                None if chunk_rc else unit, pts) + ((media, cfg.parallel.recompute) if key == ("embed",) else ())
+                None if chunk_rc else unit, pts, piece_local_experts(model, a, b, lst, sub)) + (
+                    (media, cfg.parallel.recompute) if key == ("embed",) else ())
     if ck not in cache:
         fits = []
 

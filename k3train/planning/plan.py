@@ -6,7 +6,8 @@ Order of work (cheapest first, every skip exact):
 2. Static memory bound (:func:`step_time.static_memory_lower_bound`: weights + gradients + optimizer state, or
    weights + optimizer state + the hidden-state partial sums of each forward the schedule runs before a rank's
    first backward; with sublayer or no recomputation, each FFN counts its traced piece's bytes (of one row)
-   instead, :func:`memory.ffn_saved_bytes`, traced once for every cp; over several stages each forward's
+   instead, :func:`memory.ffn_saved_bytes`, traced once for every cp and ep (at the smallest and the largest
+   ep, the smaller: ``Planner._ffn_saved``); over several stages each forward's
    received AttnRes payload) above the device memory: infeasible, no trace (``fits: false,
    skipped: 'bound'``). Refined lazily, the same bound, under sublayer recomputation: when a layout first comes
    up (3.), each token mixer counts its piece's bytes, :func:`memory.mixer_bytes`, traced per cp (a line in the
@@ -185,8 +186,10 @@ class Planner:
         bound_memo: dict[tuple, int] = {}  # the bound reads the partition, dp*cp, ep, zero, moonep, tokens, schedule
         flight_memo: dict[tuple, list[list[int]]] = {}
         ffn_memo: dict[tuple, dict[bool, int] | None] = {}  # (row tokens, recompute) -> memory.ffn_saved_bytes
+        ep_ends = (min(r.layout.ep for r in rows), max(r.layout.ep for r in rows))  # what the FFN bound is traced at
         mixer_memo: dict[tuple, dict[str, tuple[int, int]] | None] = {}  # (row tokens, cp) -> memory.mixer_bytes
-        ends_memo: dict[tuple, dict[str, tuple[int, int]] | None] = {}  # (row tokens, cp) -> memory.end_bytes
+        ends_memo: dict[tuple, dict[str, tuple[int, int]] | None] = {}  # (row tokens, cp, ep) -> memory.end_bytes
+        ends_low: dict[tuple, dict[str, tuple[int, int]] | None] = {}  # (row tokens, cp) -> at most any ep's
         mixer_refine: dict[tuple, tuple] = {}  # bound key -> what the bound with the token mixers' pieces reads
         refine: dict[tuple, tuple] = {}  # bound key -> what the bound with the end pieces reads
         for r in rows:
@@ -210,7 +213,7 @@ class Planner:
                     # estimator traces whole chunks (short rows): a whole trace holds every FFN's saved tensors.
                     # Under sublayer recomputation the token mixers' pieces (per cp) when the layout first comes up
                     # (below)
-                    ffn = self._ffn_saved(r, ffn_memo, t_end)
+                    ffn = self._ffn_saved(r, ffn_memo, t_end, ep_ends)
                     if ffn is not None:
                         bound_memo[kb] = static_memory_lower_bound(*args, ffn_saved=ffn)
                         if rc == "sublayer":
@@ -258,10 +261,14 @@ class Planner:
         heap = [(r.lower_bound_s, i, r) for i, r in enumerate(live)]  # ``live`` is sorted: already a heap
         index = {r.layout: i for i, r in enumerate(live)}
 
-        def bound_with_ends(r: Row, ends) -> None:  # the bound with the first and last stage's traced pieces
-            args, ffn, mix = refine.pop(r.bound_key)
-            bound_memo[r.bound_key] = static_memory_lower_bound(*args, ffn_saved=ffn, mixer=mix, ends=ends)
-            r.mem_bound = bound_memo[r.bound_key]
+        def bound_with_ends(r: Row, ends, final: bool = True) -> None:
+            """The bound with the first and last stage's traced pieces: ``final`` with those at the layout's ep,
+            else with :meth:`Planner._ends_low`'s (a bound too, kept where it is over the device)."""
+            args, ffn, mix = refine[r.bound_key]
+            b = static_memory_lower_bound(*args, ffn_saved=ffn, mixer=mix, ends=ends)
+            if final or b > self.dev.hbm_bytes:
+                refine.pop(r.bound_key)
+                bound_memo[r.bound_key] = r.mem_bound = b
 
         def too_big_with_ends(r: Row, note: str) -> None:  # over the device on that bound: the descent goes on
             nonlocal n_late
@@ -303,11 +310,15 @@ class Planner:
                 if mix is not None:
                     bound_memo[r.bound_key] = static_memory_lower_bound(*args, ffn_saved=ffn, mixer=mix)
                     refine[r.bound_key] = (args, ffn, mix)  # the end pieces: when it is about to be traced
-            ends_key = (1, r.cfg.train.seq_len // lay.cp, lay.cp)
-            if r.pred is None and r.bound_key in refine and ends_memo.get(ends_key) is not None:
-                # the end pieces at its cp are traced already: the bound with them before a simulation (a fitting
-                # layout's AFAB sibling at many micro-batches is far over it, and simulating it costs seconds)
-                bound_with_ends(r, ends_memo[ends_key])
+            if r.pred is None and r.bound_key in refine:
+                # the end pieces at its cp traced already (at the space's end eps, or at its ep): the bound with
+                # them before a simulation (a fitting layout's AFAB sibling at many micro-batches is far over it,
+                # and simulating it costs seconds)
+                T_row = r.cfg.train.seq_len // lay.cp
+                for ends, final in ((ends_low.get((1, T_row, lay.cp)), False),
+                                    (ends_memo.get((1, T_row, lay.cp, lay.ep)), True)):
+                    if ends is not None and r.bound_key in refine:
+                        bound_with_ends(r, ends, final)
                 if r.mem_bound > self.dev.hbm_bytes:
                     too_big_with_ends(r, "(not simulated)")
                     continue
@@ -351,11 +362,17 @@ class Planner:
             self.cache.deadline = None if self.exhaustive else min(ts + self.trace_budget_s - t_mem, t_end)
             try:
                 if r.bound_key in refine:  # the end pieces traced at this cp (for the estimate anyway: the same
-                    # cache entries): over the device, too big without the rest
-                    ends = self._per_cp(r, end_bytes, ends_memo, self.cache.deadline)
-                    if ends is None:
+                    # cache entries): over the device, too big without the rest -- first with what they hold at
+                    # the space's smallest and largest ep (traced once per cp for every ep), then at its own
+                    low = self._ends_low(r, ends_low, ends_memo, self.cache.deadline, ep_ends)
+                    if low is None:
                         raise TraceDeadline()
-                    bound_with_ends(r, ends)
+                    bound_with_ends(r, low, final=False)
+                    if r.bound_key in refine:
+                        ends = self._per_cp(r, end_bytes, ends_memo, self.cache.deadline, by_ep=True)
+                        if ends is None:
+                            raise TraceDeadline()
+                        bound_with_ends(r, ends)
                 r.mem_bound = bound_memo[r.bound_key]
                 if r.mem_bound > self.dev.hbm_bytes:
                     t_mem += time.perf_counter() - ts
@@ -424,44 +441,67 @@ class Planner:
         return PlanResult(rows=rows, world=self.world, device=self.dev, base_cfg=base, candidates=checked,
                           seconds=secs, notes=notes)
 
-    def _ffn_saved(self, r: Row, memo: dict[tuple, dict[bool, int] | None], t_end: float) -> dict[bool, int] | None:
+    def _ffn_saved(self, r: Row, memo: dict[tuple, dict[bool, int] | None], t_end: float,
+                   ep_ends: tuple[int, int]) -> dict[bool, int] | None:
         """``memory.ffn_saved_bytes`` for one row of ``r``'s micro-batch (``seq_len / cp`` tokens) under
-        its recompute setting, traced into the :class:`EstimateCache` (where the estimator composes per piece
-        under sublayer recomputation, the estimates reuse them; where it traces whole chunks they are a part of
-        what each layer of the trace keeps); None once the plan's time is spent."""
+        its recompute setting, at most what it is at any ep of the space: the smaller of its values at the
+        smallest and the largest ep (``ep_ends``). What a MoE FFN saves is a few bookkeeping bytes per local
+        expert (fewer at a larger ep) plus bytes per route row that are the same at every ep > 1, so no ep between
+        holds less (``tests/planning/test_memory_compose.py``); two traces instead of one per ep (each ep's fake
+        model and traces cost seconds at K3 width). Traced into the :class:`EstimateCache` (where the estimator
+        composes per piece under sublayer recomputation, the estimates reuse them; where it traces whole chunks they
+        are a part of what each layer of the trace keeps); None once the plan's time is spent."""
         from k3train.planning.memory import ffn_saved_bytes
 
         B, T = 1, r.cfg.train.seq_len // r.layout.cp  # one row (see ``run``)
         key = (B, T, r.layout.recompute)
         if key not in memo:
-            memo[key] = self._traced(r, ffn_saved_bytes, B, T, t_end)
+            vals = [self._traced(r, ffn_saved_bytes, B, T, t_end, ep) for ep in sorted(set(ep_ends))]
+            memo[key] = (None if any(v is None for v in vals)
+                         else {k: min(v[k] for v in vals) for k in vals[0]})
         return memo[key]
 
-    def _per_cp(self, r: Row, fn: Any, memo: dict[tuple, Any], t_end: float) -> dict[str, tuple[int, int]] | None:
+    def _ends_low(self, r: Row, memo: dict[tuple, Any], ends_memo: dict[tuple, Any], t_end: float,
+                  ep_ends: tuple[int, int]) -> dict[str, tuple[int, int]] | None:
+        """``memory.end_bytes`` at ``r``'s cp, at most what they are at any ep of the space: the smaller of their
+        values at its smallest and largest ep (the head's MTP layer runs the local experts: its backward holds a
+        weight gradient per local expert, fewer at a larger ep; see :meth:`_ffn_saved`) -- two traces per cp
+        instead of one per ep, for the bound of every layout at that cp."""
+        key = (1, r.cfg.train.seq_len // r.layout.cp, r.layout.cp)
+        if key not in memo:
+            from k3train.planning.memory import end_bytes
+
+            vals = [self._per_cp(r, end_bytes, ends_memo, t_end, by_ep=True, ep=e) for e in sorted(set(ep_ends))]
+            if any(v is None for v in vals):
+                return None  # budget spent: not kept (a later trace may have the time)
+            memo[key] = {k: tuple(min(v[k][i] for v in vals) for i in range(2)) for k in vals[0]}
+        return memo[key]
+
+    def _per_cp(self, r: Row, fn: Any, memo: dict[tuple, Any], t_end: float,
+                by_ep: bool = False, ep: int | None = None) -> dict[str, tuple[int, int]] | None:
         """``fn`` (``memory.mixer_bytes`` or ``memory.end_bytes``) for one row of ``r``'s micro-batch at its cp
         (under sublayer recomputation; None where the estimator traces whole chunks, or once the plan's time is
-        spent)."""
+        spent); ``by_ep``: also per ep (``ep``, default ``r``'s: the head's MTP layer runs the local experts)."""
         from k3train.planning.memory import whole_traces
 
         B, T = 1, r.cfg.train.seq_len // r.layout.cp  # one row (see ``run``)
         if whole_traces(r.cfg, r.layout.mbs, T):
             return None
-        key = (B, T, r.layout.cp)
+        ep = ep or r.layout.ep
+        key = (B, T, r.layout.cp) + ((ep,) if by_ep else ())
         if key not in memo:
-            memo[key] = self._traced(r, fn, B, T, t_end)
+            memo[key] = self._traced(r, fn, B, T, t_end, ep)
         return memo[key]
 
-    def _traced(self, r: Row, fn: Any, B: int, T: int, t_end: float) -> Any:
+    def _traced(self, r: Row, fn: Any, B: int, T: int, t_end: float, ep: int | None = None) -> Any:
         """``fn(cfg, full model, fake mode, piece cache, B, T, deadline)`` on the :class:`EstimateCache`'s fake full
-        model (any ep: the pieces do not depend on it), None when the deadline passes."""
+        model of ``ep`` (default ``r``'s: a piece with routed experts depends on their local count,
+        ``memory.trace_piece``), None when the deadline passes."""
         from k3train.planning.memory import TraceDeadline
 
         c = self.cache
-        full = next((m for (_, dt), m in c._full.items() if dt == r.cfg.train.dtype), None)
         try:
-            if full is None:
-                full = c.full_model(r.cfg, r.layout.ep, c.fake)
-            return fn(r.cfg, full, c.fake, c.pieces, B, T, t_end)
+            return fn(r.cfg, c.full_model(r.cfg, ep or r.layout.ep, c.fake), c.fake, c.pieces, B, T, t_end)
         except TraceDeadline:
             return None
 

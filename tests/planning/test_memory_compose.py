@@ -1,6 +1,7 @@
-"""The memory estimator's per-layer traces (what K3-length sequences compose) depend on ep only through the
-per-expert bookkeeping (a few bytes per local expert), which is why one trace per (micro-batch, cp, dtype) serves
-every ep (``memory.trace_chunk``'s piece cache)."""
+"""The memory estimator's per-layer traces (what K3-length sequences compose): what they depend on, and so how
+they are keyed in ``memory.trace_chunk``'s piece cache -- per local expert count where a piece runs routed experts
+(the backward holds one expert weight's gradient for every local expert at once), once for every cp where a piece
+reads no sequence layout."""
 from __future__ import annotations
 
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -9,19 +10,80 @@ from k3train.config import load_config
 from k3train.planning import memory
 
 
-def test_moe_layer_trace_equal_across_ep():
-    got = {}
+FAT_EXPERTS = ("--model.routed_expert_hidden_size=512", "--model.moe_intermediate_size=512")
+
+
+def test_moe_piece_holds_one_weight_gradient_per_local_expert():
+    """With experts whose weights outweigh the tokens' activations (as K3's: 3584 x 3072, 22 MB an expert in
+    bf16), the MoE FFN piece's backward peak grows by one expert weight's gradient per local expert (within 1%:
+    the rest of the peak differs by bookkeeping bytes); what it saves for the backward does not depend on ep."""
+    got, cfgs = {}, {}
     for ep in (1, 4):
-        cfg = load_config("configs/tiny.yaml", ["--train.seq_len=256", "--train.global_batch_size=8",
-                                                "--parallel.dp=4", f"--parallel.ep={ep}"], world_size=4)
+        cfg = cfgs[ep] = load_config("configs/tiny.yaml", ["--train.seq_len=256", "--train.global_batch_size=8",
+                                                           "--parallel.dp=4", f"--parallel.ep={ep}", *FAT_EXPERTS],
+                                     world_size=4)
         layer = next(i for i in range(cfg.model.num_hidden_layers) if memory._layer_is_moe(cfg, i))
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         full = memory.build_full(cfg, ep, 0, fake)
         assert full.layers[str(layer)].ffn.experts.num_experts == cfg.model.num_experts // ep
+        assert memory.piece_local_experts(full, layer, layer + 1, False, "ffn") == cfg.model.num_experts // ep
+        assert memory.piece_local_experts(full, layer, layer + 1, False, "mixer") == 0
         batch = memory.trace_batch(cfg, 1, 256)[0]
-        got[ep] = memory.trace_range(cfg, full, layer, layer + 1, False, False, batch, fake, False)
-    for x, y in zip(got[1], got[4]):  # saved, forward peak, backward peak
-        assert y > 0 and abs(x - y) <= 1e-4 * y, (got[1], got[4])
+        got[ep] = memory.trace_range(cfg, full, layer, layer + 1, False, False, batch, fake, False, part="ffn")
+    m = cfgs[1].model
+    weight_grad = m.routed_expert_hidden_size * m.moe_intermediate_size * 4  # fp32
+    extra = got[1][2] - got[4][2]
+    moved = m.num_experts - m.num_experts // 4
+    assert abs(extra - moved * weight_grad) <= 0.01 * moved * weight_grad, (got, weight_grad)
+    assert abs(got[1][0] - got[4][0]) <= 64 * moved, got
+
+
+def test_ffn_and_end_pieces_at_every_ep_at_least_the_smaller_end():
+    """The planner's static bound reads what the FFN sublayers keep, and the end pieces (the head's MTP layer
+    runs the local experts), at the smallest and the largest ep of the space, the smaller of the two
+    (``Planner._ffn_saved``, ``Planner._ends_low``): no ep between holds less."""
+    got, ends = {}, {}
+    for ep in (1, 2, 4, 8):
+        for rc in ("false", "true"):  # the FFN without recomputation (under it a MoE keeps its input alone), the
+            # end pieces under sublayer recomputation (where the planner reads them)
+            over = ["--train.seq_len=8192", "--model.max_position_embeddings=8192", "--train.global_batch_size=8",
+                    "--train.micro_batch_size=1", "--parallel.dp=8", f"--parallel.ep={ep}",
+                    f"--parallel.recompute={rc}", "--parallel.recompute_granularity=sublayer", *FAT_EXPERTS]
+            cfg = load_config("configs/tiny.yaml", over, world_size=8)
+            fake = FakeTensorMode(allow_non_fake_inputs=True)
+            full = memory.build_full(cfg, ep, 0, fake)
+            if rc == "false":
+                got[ep] = memory.ffn_saved_bytes(cfg, full, fake, {}, 1, 8192)
+            else:
+                ends[ep] = memory.end_bytes(cfg, full, fake, {}, 1, 8192)
+        assert memory.piece_local_experts(full, 8, 8, True, None) == 8 // ep  # the MTP layer's MoE
+    for moe in got[1]:
+        lo = min(got[1][moe], got[8][moe])
+        assert all(got[ep][moe] >= lo for ep in got), got
+    assert got[1][True] != got[8][True]  # it does move with ep (the bookkeeping and the folded route ids)
+    for k in ("embed", "head"):
+        for i in (0, 1):  # saved, backward peak
+            lo = min(ends[1][k][i], ends[8][k][i])
+            assert all(ends[ep][k][i] >= lo for ep in ends), (k, ends)
+    assert ends[1]["head"][1] > ends[8]["head"][1]  # the MTP MoE's weight gradients
+
+
+def test_estimate_does_not_reuse_pieces_of_another_ep():
+    """The planner's cache keeps the composed pieces of every layout it traced: an estimate after another ep's
+    pieces were traced equals a fresh one (the search and a plan pinned to the layout report the same peak)."""
+    from k3train.planning.plan import EstimateCache
+
+    over = ["--train.seq_len=32768", "--model.max_position_embeddings=32768", "--train.global_batch_size=4",
+            "--train.micro_batch_size=1", "--parallel.dp=4", *FAT_EXPERTS]
+    cfgs = {ep: load_config("configs/tiny.yaml", over + [f"--parallel.ep={ep}"], world_size=4) for ep in (1, 4)}
+    assert not memory.whole_traces(cfgs[4], 1, 32768)  # composed from pieces
+    shared = EstimateCache()
+    first = memory.estimate(cfgs[1], 4, shared)
+    after = memory.estimate(cfgs[4], 4, shared)
+    fresh = memory.estimate(cfgs[4], 4, EstimateCache())
+    assert [r.peak for r in after.ranks] == [r.peak for r in fresh.ranks]
+    # 6 of the 8 experts' weight gradients (512 x 512 fp32) fewer in a MoE layer's backward at ep 4
+    assert max(r.peak for r in first.ranks) > max(r.peak for r in fresh.ranks) + 6 * 512 * 512 * 4
 
 
 def test_ffn_piece_does_not_depend_on_cp():
