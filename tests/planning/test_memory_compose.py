@@ -74,7 +74,7 @@ def test_estimate_does_not_reuse_pieces_of_another_ep():
     from k3train.planning.plan import EstimateCache
 
     over = ["--train.seq_len=32768", "--model.max_position_embeddings=32768", "--train.global_batch_size=4",
-            "--train.micro_batch_size=1", "--parallel.dp=4", *FAT_EXPERTS]
+            "--train.micro_batch_size=1", "--parallel.dp=4", "--data.path=/nonexistent", *FAT_EXPERTS]  # synthetic
     cfgs = {ep: load_config("configs/tiny.yaml", over + [f"--parallel.ep={ep}"], world_size=4) for ep in (1, 4)}
     assert not memory.whole_traces(cfgs[4], 1, 32768)  # composed from pieces
     shared = EstimateCache()
