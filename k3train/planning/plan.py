@@ -456,9 +456,7 @@ class Planner:
         B, T = 1, r.cfg.train.seq_len // r.layout.cp  # one row (see ``run``)
         key = (B, T, r.layout.recompute)
         if key not in memo:
-            vals = [self._traced(r, ffn_saved_bytes, B, T, t_end, ep) for ep in sorted(set(ep_ends))]
-            memo[key] = (None if any(v is None for v in vals)
-                         else {k: min(v[k] for v in vals) for k in vals[0]})
+            memo[key] = _smaller([self._traced(r, ffn_saved_bytes, B, T, t_end, ep) for ep in sorted(set(ep_ends))])
         return memo[key]
 
     def _ends_low(self, r: Row, memo: dict[tuple, Any], ends_memo: dict[tuple, Any], t_end: float,
@@ -471,10 +469,11 @@ class Planner:
         if key not in memo:
             from k3train.planning.memory import end_bytes
 
-            vals = [self._per_cp(r, end_bytes, ends_memo, t_end, by_ep=True, ep=e) for e in sorted(set(ep_ends))]
-            if any(v is None for v in vals):
+            low = _smaller([self._per_cp(r, end_bytes, ends_memo, t_end, by_ep=True, ep=e)
+                            for e in sorted(set(ep_ends))])
+            if low is None:
                 return None  # budget spent: not kept (a later trace may have the time)
-            memo[key] = {k: tuple(min(v[k][i] for v in vals) for i in range(2)) for k in vals[0]}
+            memo[key] = low
         return memo[key]
 
     def _per_cp(self, r: Row, fn: Any, memo: dict[tuple, Any], t_end: float,
@@ -493,15 +492,15 @@ class Planner:
             memo[key] = self._traced(r, fn, B, T, t_end, ep)
         return memo[key]
 
-    def _traced(self, r: Row, fn: Any, B: int, T: int, t_end: float, ep: int | None = None) -> Any:
+    def _traced(self, r: Row, fn: Any, B: int, T: int, t_end: float, ep: int) -> Any:
         """``fn(cfg, full model, fake mode, piece cache, B, T, deadline)`` on the :class:`EstimateCache`'s fake full
-        model of ``ep`` (default ``r``'s: a piece with routed experts depends on their local count,
-        ``memory.trace_piece``), None when the deadline passes."""
+        model of ``ep`` (a piece with routed experts depends on their local count, ``memory.trace_piece``), None
+        when the deadline passes."""
         from k3train.planning.memory import TraceDeadline
 
         c = self.cache
         try:
-            return fn(r.cfg, c.full_model(r.cfg, ep or r.layout.ep, c.fake), c.fake, c.pieces, B, T, t_end)
+            return fn(r.cfg, c.full_model(r.cfg, ep, c.fake), c.fake, c.pieces, B, T, t_end)
         except TraceDeadline:
             return None
 
@@ -564,6 +563,15 @@ class Planner:
         r.peak_bytes = max(x.peak for x in est.ranks)
         r.stage_peaks = [max(x.peak for x in est.ranks if x.pp_rank == p) for p in range(r.layout.pp)]
         r.fits = r.peak_bytes <= self.dev.hbm_bytes
+
+
+def _smaller(vals: list[dict[Any, Any] | None]) -> dict[Any, Any] | None:
+    """Per key, the smallest of ``vals``' values (byte counts, or tuples of them elementwise); None if any is None
+    (a trace stopped by its deadline)."""
+    if any(v is None for v in vals):
+        return None
+    return {k: (min(v[k] for v in vals) if isinstance(vals[0][k], int)
+                else tuple(min(x) for x in zip(*(v[k] for v in vals)))) for k in vals[0]}
 
 
 def _family(lay: Layout) -> tuple:
