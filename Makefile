@@ -37,10 +37,10 @@ train: venv data
 test: venv data data-mm
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests
 
-# re-measure every figure the README states, on this machine (tools/bench_readme.py; ~35 min on an idle 2-core
+# re-measure every figure the README states, on this machine (benchmarks/bench_readme.py; ~35 min on an idle 2-core
 # machine; refuses while it is busy): make bench ARGS="--only kda,planner --json bench.json"
 bench: venv data data-mm
-	$(PY) tools/bench_readme.py $(ARGS)
+	$(PY) benchmarks/bench_readme.py $(ARGS)
 
 count: venv
 	$(VENV)/bin/k3train count --config configs/k3.yaml

@@ -6,7 +6,7 @@
     k3train memory --config C --world-size N [...]             memory per stage and rank (tools/memory.py)
     k3train plan ...                                           parallel layout planner (tools/plan.py)
     k3train prepare-data ...                                   text/JSONL -> indexed dataset (tools/prepare_data.py)
-    k3train plot RUN_DIR [RUN_DIR ...] -o FILE.png             curves of runs' metrics.jsonl (k3train/plot.py)
+    k3train plot RUN_DIR [RUN_DIR ...] -o FILE.png             curves of runs' metrics.jsonl (k3train/reporting/plot.py)
     k3train import-hf HF_DIR -o RUN.yaml                       a run config from a HF checkpoint (k3train/hf)
     k3train export-hf --config C --checkpoint CKPT -o OUT [--experts auto|bf16|mxfp4] [--nproc N]
                                                                a checkpoint in the published HF layout
@@ -125,7 +125,7 @@ def cmd_train(argv: list[str]) -> int:
     env = dict(os.environ)
     if "OMP_NUM_THREADS" not in env:
         # torchrun would export OMP_NUM_THREADS=1 (with a banner) for nproc > 1; mark it as ours so that the ranks
-        # share this host's cores by the k3train rule instead (k3train/dist_env.py: choose_num_threads)
+        # share this host's cores by the k3train rule instead (k3train/runtime/process_groups.py: choose_num_threads)
         env.update(OMP_NUM_THREADS="1", K3TRAIN_THREADS_AUTO="1")
     print(f"k3train: launching {Path(sys.executable).name} {' '.join(cmd[1:])}", flush=True)
     sys.stdout.flush()
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     if sub == "check":
         return cmd_check(rest)
     if sub == "plot":
-        from k3train.plot import main as plot_main  # noqa: PLC0415
+        from k3train.reporting.plot import main as plot_main  # noqa: PLC0415
 
         return plot_main(rest)
     if sub in TOOLS:

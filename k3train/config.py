@@ -226,7 +226,7 @@ class TrainConfig:
     eval_interval: int = 0  # validation loss every N steps and at the end of training; 0 = never
     eval_iters: int = 10  # global batches of the data's valid split per evaluation (the same ones every time)
     # torch intra-op threads per CPU rank; 0 = OMP_NUM_THREADS if exported, else this process's cores shared among
-    # the ranks on its host (k3train/dist_env.py: choose_num_threads)
+    # the ranks on its host (k3train/runtime/process_groups.py: choose_num_threads)
     num_threads: int = 0
     # kernel of each op (k3train/ops/dispatch.py; the choice is logged at start-up): "auto" picks by device, dtype and
     # what is installed (CPU: always the pure-torch op). kda: "torch" | "fla" (fla chunk_kda, CUDA); mla: "dense" |
@@ -559,7 +559,7 @@ class Config:
                      f" of pp={p.pp}")
         need(t.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping)")
 
-        # non-finite steps and validation loss (k3train/nonfinite.py, k3train/evaluate.py)
+        # non-finite steps and validation loss (k3train/runtime/nonfinite.py, k3train/evaluate.py)
         need(t.max_skipped_steps >= 1, "train.max_skipped_steps",
              f"must be >= 1 (consecutive non-finite steps before the run stops), got {t.max_skipped_steps}")
         if t.eval_interval > 0:
@@ -569,7 +569,7 @@ class Config:
                  "gives it weight 0 (e.g. data.split='98,2,0', or train.eval_interval=0)",
                  "train.eval_interval", "data.split")
 
-        # CPU threads per rank (k3train/dist_env.py)
+        # CPU threads per rank (k3train/runtime/process_groups.py)
         need(t.num_threads >= 0, "train.num_threads", f"must be >= 0 (0 = automatic), got {t.num_threads}")
 
         # kernels per op (k3train/ops/dispatch.py): the backend names here; one forced where it cannot run is a

@@ -1,7 +1,7 @@
 """Every check that runs before any process group, model or training step exists, so bad input fails in one line.
 
 :func:`validate_run` is the ONE entry every command that takes a run config goes through (``k3train.train``
-and its ``--check``, ``tools/count_params.py``, ``tools/compare_optimizers.py``, ``tools/bench_optim.py``):
+and its ``--check``, ``tools/count_params.py``, ``tools/compare_optimizers.py``, ``benchmarks/bench_optim.py``):
 it loads the YAML + overrides (:func:`k3train.config.load_config`: keys, types, values, the layout against the
 world size) and then runs :func:`preflight` for what the config alone cannot show:
 
@@ -200,7 +200,7 @@ def preflight(cfg: Config) -> None:
     resolve_wandb_mode(cfg)
     check_data(cfg)
     check_layout(cfg)
-    from k3train.nonfinite import check_injection  # noqa: PLC0415
+    from k3train.runtime.nonfinite import check_injection  # noqa: PLC0415
 
     check_injection(cfg)  # a malformed K3TRAIN_INJECT_NAN (test fault injection) is bad input too
     if cfg.train.objective == "eagle3":

@@ -74,7 +74,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(argv)
-    # torchrun's WORLD_SIZE, read without importing torch (k3train.dist_env.env_world_size reads the same), so
+    # torchrun's WORLD_SIZE, read without importing torch (k3train.runtime.process_groups.env_world_size reads the same), so
     # that a config error is reported before torch, megatron and the data package load (in well under a second)
     world_size = args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
     from k3train.preflight import is_bad_input, validate_run  # noqa: PLC0415
@@ -104,18 +104,18 @@ def main(argv: list[str] | None = None) -> int:
 def run_training(cfg) -> int:  # noqa: ANN001 - a validated k3train.config.Config
     """Train; turn the two ways a healthy rank stops early into one line each instead of a traceback per rank.
 
-    * Stop signal (SIGTERM / SIGINT, k3train/signals.py): every rank stopped after the same step and checkpointed
+    * Stop signal (SIGTERM / SIGINT, k3train/runtime/signals.py): every rank stopped after the same step and checkpointed
       it; rank 0 prints ``k3train: stopped by SIGTERM at step N; checkpoint step_0000000N written ...``; exit
-      128 + signal (143 / 130: stopped early and resumable, not finished -- see k3train/signals.py).
-    * A peer died or stalled in a collective (k3train/collective_errors.py): this rank prints ``k3train: error:
+      128 + signal (143 / 130: stopped early and resumable, not finished -- see k3train/runtime/signals.py).
+    * A peer died or stalled in a collective (k3train/runtime/collective_errors.py): this rank prints ``k3train: error:
       rank R: collective OP on group G (ranks [...]) failed: ...`` and exits 1 at once (``os._exit``: tearing down
       process groups whose peer is gone aborts or hangs). torchrun then stops the others and exits non-zero; the
       same command resumes from the last complete checkpoint.
     * ``train.max_skipped_steps`` non-finite steps in a row, or a checkpoint about to hold NaN/inf
-      (k3train/nonfinite.py): rank 0 prints ``k3train: error: stopping at step N: ...``; exit 3."""
-    from k3train.collective_errors import CollectiveWatch  # noqa: PLC0415
-    from k3train.nonfinite import EXIT_TRAINING_STOPPED, TrainingStopped  # noqa: PLC0415
-    from k3train.signals import StopRun  # noqa: PLC0415
+      (k3train/runtime/nonfinite.py): rank 0 prints ``k3train: error: stopping at step N: ...``; exit 3."""
+    from k3train.runtime.collective_errors import CollectiveWatch  # noqa: PLC0415
+    from k3train.runtime.nonfinite import EXIT_TRAINING_STOPPED, TrainingStopped  # noqa: PLC0415
+    from k3train.runtime.signals import StopRun  # noqa: PLC0415
     from k3train.trainer import Trainer  # noqa: PLC0415
 
     watch = CollectiveWatch().install()  # for the life of the process
@@ -128,7 +128,7 @@ def run_training(cfg) -> int:  # noqa: ANN001 - a validated k3train.config.Confi
         if trainer.env.is_main:
             print(stop.line(), file=sys.stderr, flush=True)
         return stop.exit_code
-    except TrainingStopped as e:  # every rank stops at the same step (k3train/nonfinite.py)
+    except TrainingStopped as e:  # every rank stops at the same step (k3train/runtime/nonfinite.py)
         trainer.close()
         if trainer.env.is_main:
             print(f"k3train: error: {e}", file=sys.stderr, flush=True)
@@ -137,7 +137,7 @@ def run_training(cfg) -> int:  # noqa: ANN001 - a validated k3train.config.Confi
         from k3train.preflight import is_bad_input  # noqa: PLC0415
 
         if is_bad_input(e):  # found while resuming (a damaged resume=PATH): every rank agreed on it (the
-            from k3train.dist_env import shutdown  # noqa: PLC0415 - verification is collective); one line, exit 2
+            from k3train.runtime.process_groups import shutdown  # noqa: PLC0415 - verification is collective); one line, exit 2
 
             shutdown()
             return report_bad_input(str(e))

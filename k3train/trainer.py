@@ -8,7 +8,7 @@ One optimizer step:
      on the last stage, k3train/draft/objective.py);
   3. the optimizer reduces gradients (DP / ZeRO) and computes the global grad norm; the loss sums are
      all-reduced. Both are global, so every rank takes the same branch: finite -> 4; otherwise the step is
-     skipped after a diagnostic re-run names the first non-finite module (k3train/nonfinite.py);
+     skipped after a diagnostic re-run names the first non-finite module (k3train/runtime/nonfinite.py);
   4. routers' Quantile-Balancing statistics are summed over every rank that routes the layer, biases updated
      for the next step; the optimizer clips, steps (Muon + AdamW), QK-Clip;
   5. every ``train.eval_interval`` steps and at the end: the validation loss (k3train/evaluate.py);
@@ -29,12 +29,12 @@ from k3train.checkpoint import CheckpointManager, checkpoint_root, prepare_run_d
 from k3train.checkpoint.fingerprint import run_fingerprint, schedule_record
 from k3train.checkpoint.rng import get_rng_state, seed_everything, set_rng_state
 from k3train.config import Config, ConfigError
-from k3train.dist_env import init_distributed, shutdown
+from k3train.runtime.process_groups import init_distributed, shutdown
 from k3train.evaluate import Evaluator
-from k3train.metrics import MetricsLogger, memory_gib, resolve_peak_flops
-from k3train.run_summary import RunSummary, gather_peak_memory
-from k3train.nonfinite import NonFiniteGuard, step_is_finite
-from k3train.signals import StopRun, StopSignals, signal_name
+from k3train.reporting.metrics import MetricsLogger, memory_gib, resolve_peak_flops
+from k3train.reporting.run_summary import RunSummary, gather_peak_memory
+from k3train.runtime.nonfinite import NonFiniteGuard, step_is_finite
+from k3train.runtime.signals import StopRun, StopSignals, signal_name
 from k3train.parallelize import ParallelModel, parallelize
 from parallel.dims import ParallelDims
 from parallel.pipeline.loss_norm import LossNorm
@@ -60,7 +60,7 @@ def _setup_logging(rank: int, level: str) -> None:
 
 class _RankZeroWarnings(logging.Filter):
     """On ranks other than 0: drop WARNING records (rank 0 logs the same one) unless logged with
-    ``extra=RANK_SPECIFIC`` (k3train/dist_env.py: something only this rank saw). Errors always pass."""
+    ``extra=RANK_SPECIFIC`` (k3train/runtime/process_groups.py: something only this rank saw). Errors always pass."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return record.levelno >= logging.ERROR or bool(getattr(record, "rank_specific", False))
@@ -142,7 +142,7 @@ class Trainer:
 
     def _peak_flops(self) -> tuple[float, str]:
         """Rank 0 resolves the MFU denominator (configured, or measured once per host and cached:
-        k3train/metrics.py) and broadcasts it, so every rank and every run on this machine uses the same one."""
+        k3train/reporting/metrics.py) and broadcasts it, so every rank and every run on this machine uses the same one."""
         flops, source = resolve_peak_flops(self.cfg.logging.peak_flops, self.env.device) if self.env.is_main \
             else (0.0, "")
         if dist.is_initialized() and self.env.world_size > 1:
@@ -302,7 +302,7 @@ class Trainer:
             return
         log.info("training steps %d..%d", self.step + 1, total)
         t_start = time.perf_counter()
-        # SIGTERM / SIGINT: stop at an agreed step boundary with a checkpoint (k3train/signals.py); close() uninstalls
+        # SIGTERM / SIGINT: stop at an agreed step boundary with a checkpoint (k3train/runtime/signals.py); close() uninstalls
         self._stop_signals = StopSignals(self.env.rank, self._comm_device, cfg.checkpoint.preempt_timeout_s,
                                          self._stop_deadline_line).install()
         interval = cfg.checkpoint.interval

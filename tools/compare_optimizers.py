@@ -33,7 +33,7 @@ def run(name: str, args: argparse.Namespace, out: Path) -> list[dict]:
         cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone", f"--nproc_per_node={args.nproc}", *train]
     else:
         cmd = [sys.executable, *train]
-    from k3train.dist_env import child_pythonpath  # noqa: PLC0415
+    from k3train.runtime.process_groups import child_pythonpath  # noqa: PLC0415
     env = dict(os.environ, WANDB_MODE="disabled", PYTHONPATH=child_pythonpath(ROOT))
     print(f"[{name}] {' '.join(cmd)}", flush=True)
     subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)

@@ -35,7 +35,7 @@ def run_measure(config: str, world: int, overrides: list[str], steps: int, timeo
     """Measured peak live tensor bytes per rank (real training steps under torchrun)."""
     with tempfile.TemporaryDirectory(prefix="k3mem_") as tmp:
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-        from k3train.dist_env import child_pythonpath  # noqa: PLC0415
+        from k3train.runtime.process_groups import child_pythonpath  # noqa: PLC0415
         env.update(WANDB_MODE="disabled", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
                    PYTHONPATH=child_pythonpath(ROOT))
         torchrun = Path(sys.executable).with_name("torchrun")

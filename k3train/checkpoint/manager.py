@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from k3train.fault_injection import pause_point
+from k3train.runtime.fault_injection import pause_point
 from parallel.dims import new_group  # every process group gets the run's collective timeout
 
 from .fsio import atomic_write_text as _atomic_write_text
@@ -306,7 +306,7 @@ class CheckpointManager:
         """Collective: gather the manifest (``own``: this rank's part, computed here when None), then rank 0
         marks the directory complete and renames it into place."""
         rank, world = _rank_world()
-        pause_point("checkpoint_before_complete", step)  # test-only fault-injection hook (k3train/fault_injection.py)
+        pause_point("checkpoint_before_complete", step)  # test-only fault-injection hook (k3train/runtime/fault_injection.py)
         err = None
         try:
             own = self._hash_own(tmp, rank) if own is None else own

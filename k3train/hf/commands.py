@@ -171,7 +171,7 @@ def run_export(cfg: Any, a: argparse.Namespace) -> int:
     import torch.distributed as dist  # noqa: PLC0415
 
     from k3train.checkpoint.safe_load import dcp_load  # noqa: PLC0415
-    from k3train.dist_env import init_distributed, shutdown  # noqa: PLC0415
+    from k3train.runtime.process_groups import init_distributed, shutdown  # noqa: PLC0415
     from k3train.hf.export import write_hf_shards  # noqa: PLC0415
     from k3train.parallelize import parallelize  # noqa: PLC0415
     from parallel.dims import ParallelDims  # noqa: PLC0415

@@ -92,7 +92,7 @@ def _concurrency_worker(idx: int, config: str, overrides: list[str], threads: in
     import torch
 
     from k3train.config import load_config
-    from k3train.dist_env import cores_available
+    from k3train.runtime.process_groups import cores_available
     from k3train.trainer import Trainer
 
     total = 3 + max_rounds * steps * procs
@@ -175,7 +175,7 @@ def _run_module(args: list[str], threads: int, what: str, timeout: float) -> Any
     root = Path(__file__).resolve().parents[2]
     with tempfile.TemporaryDirectory(prefix="k3anchor_") as tmp:
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-        from k3train.dist_env import child_pythonpath  # noqa: PLC0415
+        from k3train.runtime.process_groups import child_pythonpath  # noqa: PLC0415
         env.update(WANDB_MODE="disabled", OMP_NUM_THREADS=str(threads), PYTHONPATH=child_pythonpath(root))
         cmd = [sys.executable, "-m", "k3train.planning.anchor", "--out", f"{tmp}/out.json", f"--threads={threads}",
                *args]

@@ -117,7 +117,7 @@ PUBLISHED = {
 }
 DEVICE_NAMES = ("cpu", *PUBLISHED)
 
-# torch.cuda.get_device_name -> published dense bf16 peak per GPU (the MFU denominator on CUDA, k3train/metrics.py).
+# torch.cuda.get_device_name -> published dense bf16 peak per GPU (the MFU denominator on CUDA, k3train/reporting/metrics.py).
 # First match of a lower-case substring wins, so the PCIe / NVL H100 parts (lower clocks) come before plain "h100"
 # (SXM: "NVIDIA H100 80GB HBM3").
 CUDA_BF16_PEAKS: tuple[tuple[str, float], ...] = (
@@ -161,7 +161,7 @@ def apply_fields(dev: Device, items: list[str]) -> Device:
 def cache_path(explicit: str | None = None) -> Path:
     if explicit:
         return Path(explicit)
-    from k3train.cache_dir import cache_dir
+    from k3train.runtime.cache_dir import cache_dir
 
     return cache_dir() / "cpu_calibration.json"
 

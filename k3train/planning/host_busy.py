@@ -6,7 +6,7 @@ taken so predicts every layout too slow from then on (it is cached). :class:`Oth
 machine's busy CPU time (``/proc/stat``) less this process's and all its descendants' own
 (``getrusage`` and ``/proc/PID/stat``), over the wall time -- the cores that something else used. The planner keeps a calibration only
 when that stayed under :data:`IDLE_OTHERS_CORES` (``tools/plan.py``), marks each ``--measure`` run by it, and
-``make bench`` refuses a run above it (``tools/bench_readme.py``).
+``make bench`` refuses a run above it (``benchmarks/bench_readme.py``).
 """
 from __future__ import annotations
 

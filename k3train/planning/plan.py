@@ -721,7 +721,7 @@ def measure_step(config: str, overrides: list[str], world: int, steps: int = 4, 
     root = Path(__file__).resolve().parents[2]
     with tempfile.TemporaryDirectory(prefix="k3plan_") as tmp:
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-        from k3train.dist_env import child_pythonpath  # noqa: PLC0415
+        from k3train.runtime.process_groups import child_pythonpath  # noqa: PLC0415
         env.update(WANDB_MODE="disabled", OMP_NUM_THREADS=str(threads), PYTHONPATH=child_pythonpath(root))
         torchrun = Path(sys.executable).with_name("torchrun")
         cmd = [str(torchrun), "--standalone", f"--nproc_per_node={world}", "-m", "k3train.train", "--config", config,

@@ -22,7 +22,7 @@ Both have the same interface:
                                                             a head of its own, e.g. the EAGLE-3 draft, which may
                                                             run its own forward + backward there)
     runner.current                      (kind 'F'|'B'|'EF'|'EB', virtual stage, micro-batch) of the compute
-                                        running now (for diagnostic hooks, see k3train/nonfinite.py; the main
+                                        running now (for diagnostic hooks, see k3train/runtime/nonfinite.py; the main
                                         thread's: a paired forward is not reported)
     runner.pair                         None, or the :class:`parallel.pairing.PairExecutor` of F/B pairing
                                         (``parallel.overlap_ep``): ``forward_backward`` runs a forward on its
@@ -221,7 +221,7 @@ class LocalRunner(StepRunner):
 
     def _paired(self, micro_batches: list[Any], norm: LossNorm, stats: dict[str, Any]) -> None:
         """F(0); F(m+1) on the pair worker (side 1) while B(m) runs here (side 0); B(M-1) (see :attr:`pair`)."""
-        from k3train.fault_injection import raise_point
+        from k3train.runtime.fault_injection import raise_point
 
         def forward(mb: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
             raise_point("pair_forward", mb)
@@ -487,7 +487,7 @@ class PipelineRunner(StepRunner):
         computed, while ``y`` may still run -- so the stage that waits for ``x``'s output does not wait for
         ``y`` too. They are the only posts during the pair (``y``'s come after it, from this thread), so this
         rank's sequence of p2p posts is the program's, whichever side ends first (P2PTransport is locked)."""
-        from k3train.fault_injection import raise_point
+        from k3train.runtime.fault_injection import raise_point
 
         if any(ins.op == "compute" for ins in x_posts):
             raise RuntimeError(f"run_pair: x's trailing posts hold a compute: {x_posts}")
@@ -646,7 +646,7 @@ def build_step_runner(model: nn.Module | Callable[[], nn.Module] | None, cfg: An
         wire_dtype: dtype of p2p payloads (default fp32 for ``train.dtype=float32``, else bf16).
         num_microbatches: if given, validated against the schedule now (clear error at start-up).
         post_ahead: post every p2p receive one compute ahead of its consumer (default; False: the time-ordered
-            posts, kept for benchmarks, see tools/bench_pipeline.py).
+            posts, kept for benchmarks, see benchmarks/bench_pipeline.py).
     """
     pcfg = cfg.parallel
     part = build_partition(cfg.model, pcfg, cfg.train.seq_len)

@@ -10,7 +10,7 @@ import torch
 
 from k3train.checkpoint import CheckpointManager
 from k3train.config import load_config
-from k3train.metrics import peak_flops_cache_path, resolve_peak_flops, wandb_run_id
+from k3train.reporting.metrics import peak_flops_cache_path, resolve_peak_flops, wandb_run_id
 from k3train.parallelize import moe_layers_held
 from k3train.trainer import _RankZeroWarnings
 

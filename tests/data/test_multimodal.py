@@ -212,12 +212,12 @@ def test_prepared_dataset_validates(shipped):
 
 
 def test_vision_bench_scores_the_text_after_media_and_keeps_noise_statistics():
-    """tools/bench_vision_learns.py: the scored labels are the text after a document's first <|media_end|>
+    """benchmarks/bench_vision_learns.py: the scored labels are the text after a document's first <|media_end|>
     (no media tokens, specials or masked positions); the noise media keep the shapes and take the per-channel
     mean and std of all the media together, the same for every media (not each one's own: a picture's mean
     colour would tell its colour)."""
     from k3train.model.media import MediaInputs
-    from tools.bench_vision_learns import noise_like, pixel_stats, text_after_media_mask
+    from benchmarks.bench_vision_learns import noise_like, pixel_stats, text_after_media_mask
 
     # doc 0: text, <|media_start|>, 2 placeholders, <|media_end|>, text, text, EOS; doc 1: text with no media
     b = Batch.from_samples(torch.tensor([[5, 4097, PH, PH, 4098, 6, 7, 1, 8, 9]]), eos_id=1, pad_id=2)
@@ -243,13 +243,13 @@ def test_vision_bench_scores_the_text_after_media_and_keeps_noise_statistics():
 
 
 def test_vision_bench_image_dependent_words_follow_the_generator():
-    """tools/bench_vision_learns.py: the "image-dependent" tokens are exactly a clip caption's colour, shape and
+    """benchmarks/bench_vision_learns.py: the "image-dependent" tokens are exactly a clip caption's colour, shape and
     direction and a drawing's palette fills and background (checked against the program's own AST), found in the
     re-tokenized document; a document that is not its sample's tokens is refused."""
     import ast
 
     from k3train.data.multimodal.shipped import COLORS
-    from tools.bench_vision_learns import document_image_tags, image_dependent_spans, sample_kind
+    from benchmarks.bench_vision_learns import document_image_tags, image_dependent_spans, sample_kind
 
     tok = vl_tok()
     seen = set()
@@ -283,11 +283,11 @@ def test_vision_bench_image_dependent_words_follow_the_generator():
 
 
 def _vision_bench_json(out, capsys, *extra: str) -> tuple[int, dict]:
-    """A small real run of tools/bench_vision_learns.py in this process (400 pictures, 60 steps of 4 rows at a
+    """A small real run of benchmarks/bench_vision_learns.py in this process (400 pictures, 60 steps of 4 rows at a
     higher learning rate than the config's, so the vision path learns in that time), everything under ``out``."""
     import json
 
-    from tools.bench_vision_learns import main
+    from benchmarks.bench_vision_learns import main
 
     rc = main(["--out", str(out), "--picture", "400", "--video", "0", "--steps", "60", "--eval-every", "60",
                "--train.global_batch_size=4", "--train.micro_batch_size=4", "--optim.lr=6e-3", "--json", *extra])
@@ -295,7 +295,7 @@ def _vision_bench_json(out, capsys, *extra: str) -> tuple[int, dict]:
 
 
 def test_vision_bench_passes_when_the_vision_path_works(tmp_path, capsys):
-    """tools/bench_vision_learns.py on a working vision path: the caption's colour and shape words become much
+    """benchmarks/bench_vision_learns.py on a working vision path: the caption's colour and shape words become much
     more likely with the real picture than with noise (the text around them does not), and the tool exits 0."""
     rc, res = _vision_bench_json(tmp_path, capsys)
     first, last = (e["groups"] for e in (res["evals"][0], res["evals"][-1]))

@@ -244,7 +244,7 @@ def test_bad_checkpoint_through_the_entry_point(kl, tmp_path):
     import subprocess
     import sys
 
-    from k3train.dist_env import child_pythonpath
+    from k3train.runtime.process_groups import child_pythonpath
     from k3train.hf.commands import import_config_text
 
     d, _ = kl

@@ -8,7 +8,7 @@ x ep = 2 (MoonEP, ZeRO-2: the chunk hooks after a pair), four micro-batches: the
 F/B computes paired (p2p_programs.pair_programs), the collectives of every group (``ep`` and ``ep_pair`` apart)
 identical across its ranks.
 
-Then a forced failure inside one side of a pair (``K3TRAIN_FAULT_RAISE``, k3train/fault_injection.py) on every
+Then a forced failure inside one side of a pair (``K3TRAIN_FAULT_RAISE``, k3train/runtime/fault_injection.py) on every
 rank: the step ends with one :class:`PairedActionError` naming the failed side on each rank, no hang; the ranks
 are still in step afterwards (a barrier, then a normal step completes).
 """

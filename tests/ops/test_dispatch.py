@@ -201,7 +201,7 @@ def test_published_bf16_peaks_by_cuda_device_name():
 
 
 def test_mfu_denominator_on_a_known_gpu_is_its_published_peak(monkeypatch):
-    from k3train.metrics import resolve_peak_flops
+    from k3train.reporting.metrics import resolve_peak_flops
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     flops, source = resolve_peak_flops(0.0, torch.device("cuda", 0))

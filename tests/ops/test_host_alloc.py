@@ -1,9 +1,9 @@
-"""k3train/host_alloc.py: after ``keep_freed_memory()`` a 16 MiB tensor comes from the process heap and freeing it
+"""k3train/runtime/host_memory.py: after ``keep_freed_memory()`` a 16 MiB tensor comes from the process heap and freeing it
 leaves the heap as large as it was (kept for the next allocation); glibc as it comes maps such a tensor from the
 kernel, and hands it back on free. Each case runs in a fresh interpreter: the thresholds are process state.
 
 Where the block lies is deterministic; page-fault counts are not (a freed block may be split by small allocations
-in between), so the fault figures of tools/bench_kda.py are measured there, not asserted here."""
+in between), so the fault figures of benchmarks/bench_kda.py are measured there, not asserted here."""
 from __future__ import annotations
 
 import subprocess
@@ -18,7 +18,7 @@ _PROBE = """
 import sys
 sys.path.insert(0, {root!r})
 import torch
-from k3train.host_alloc import keep_freed_memory
+from k3train.runtime.host_memory import keep_freed_memory
 if {keep}:
     print(keep_freed_memory(), file=sys.stderr)
 

@@ -216,11 +216,11 @@ def test_forward_only_runs_each_encoder_forward_before_its_stage0_forward() -> N
 
 
 def test_nonfinite_order_puts_the_encoder_before_stage0_forward_and_after_its_backward() -> None:
-    """k3train/nonfinite.py's event order with the encoder's own actions: EF(m) before F(0, m), EB(m) after
+    """k3train/runtime/nonfinite.py's event order with the encoder's own actions: EF(m) before F(0, m), EB(m) after
     B(0, m) (as inline, where the encoder runs first in F and last in B)."""
     from types import SimpleNamespace
 
-    from k3train.nonfinite import FirstNonFinite
+    from k3train.runtime.nonfinite import FirstNonFinite
 
     runner = SimpleNamespace(current=None)
     rec = FirstNonFinite(torch.nn.Linear(1, 1), runner)

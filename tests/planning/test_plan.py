@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from shipped_data import shipped_view
-from k3train.dist_env import child_pythonpath
+from k3train.runtime.process_groups import child_pythonpath
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny.yaml")

@@ -1,4 +1,4 @@
-"""tools/bench_readme.py (`make bench`) without running a benchmark: the claim table against the README and the
+"""benchmarks/bench_readme.py (`make bench`) without running a benchmark: the claim table against the README and the
 runs, the busy-machine refusals (a fake load average), the parsers on captured tool output, the whole report on
 fake runs, and the process-group kill at a run's limit (a sleeping python, no tool)."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_claims as bc  # noqa: E402
 import bench_readme as br  # noqa: E402
@@ -109,7 +109,7 @@ def test_claim_table_is_consistent_with_the_runs_and_the_readme() -> None:
 def test_makefile_has_the_bench_target() -> None:
     mk = (ROOT / "Makefile").read_text()
     assert re.search(r"^bench: venv data data-mm$", mk, re.M)
-    assert "tools/bench_readme.py" in mk.split("\nbench:", 1)[1].split("\n\n", 1)[0]
+    assert "benchmarks/bench_readme.py" in mk.split("\nbench:", 1)[1].split("\n\n", 1)[0]
 
 
 def test_parsers_read_the_captured_lines() -> None:

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from k3train.dist_env import child_pythonpath
+from k3train.runtime.process_groups import child_pythonpath
 
 
 def test_the_checkout_comes_first_and_the_callers_path_is_kept(monkeypatch, tmp_path):

@@ -6,7 +6,7 @@ Real ``torchrun`` runs of the tiny config (2 ranks, pp=2), killed or signalled f
     * SIGSTOP of a rank (stuck, not dead: torchrun cannot notice): the survivor's collective times out after
       ``collective_timeout_s`` and it exits with the one line;
     * kill -9 while a checkpoint is being written (held open by the fault-injection hook of
-      k3train/fault_injection.py): the previous checkpoint is the one resumed, exactly;
+      k3train/runtime/fault_injection.py): the previous checkpoint is the one resumed, exactly;
     * SIGTERM to torchrun: both ranks stop after the same step, its checkpoint is written, one line, exit code of
       the workers 143, and re-running resumes exactly.
 "Exactly": the per-step losses and gradient norms of the interrupted-and-resumed run equal those of one
@@ -273,7 +273,7 @@ def test_stop_checkpoint_past_the_deadline_keeps_the_last_one(corpus_prefix, tmp
 def _agree_body(rank: int, world_size: int) -> None:
     import torch  # noqa: PLC0415
 
-    from k3train.signals import StopSignals  # noqa: PLC0415
+    from k3train.runtime.signals import StopSignals  # noqa: PLC0415
 
     s = StopSignals(rank, torch.device("cpu"), deadline_s=60, on_deadline=lambda sig: "")
     assert s.agree() == 0
@@ -306,7 +306,7 @@ def _groups_and_watch_body(rank: int, world_size: int) -> None:
 
     import torch  # noqa: PLC0415
 
-    from k3train.collective_errors import CollectiveWatch  # noqa: PLC0415
+    from k3train.runtime.collective_errors import CollectiveWatch  # noqa: PLC0415
     from parallel.dims import ParallelDims  # noqa: PLC0415
 
     def timeout(g):  # noqa: ANN001, ANN202

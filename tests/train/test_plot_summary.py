@@ -1,5 +1,5 @@
-"""``k3train plot`` draws real runs' ``metrics.jsonl`` (k3train/plot.py), and rank 0 prints a run summary at the end
-of training (k3train/run_summary.py). Two real in-process runs of the tiny config (Muon and AdamW, 3 steps)."""
+"""``k3train plot`` draws real runs' ``metrics.jsonl`` (k3train/reporting/plot.py), and rank 0 prints a run summary at the end
+of training (k3train/reporting/run_summary.py). Two real in-process runs of the tiny config (Muon and AdamW, 3 steps)."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ import pytest
 
 from k3train.cli import main as k3train
 from k3train.config import load_config
-from k3train.plot import layout_label, read_run
+from k3train.reporting.plot import layout_label, read_run
 from k3train.train import run_training
 
 RUN = ["--train.seq_len=32", "--train.global_batch_size=2", "--train.micro_batch_size=1", "--train.steps=3",

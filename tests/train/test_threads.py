@@ -1,4 +1,4 @@
-"""Torch threads per CPU rank (k3train/dist_env.py: choose_num_threads): OMP_NUM_THREADS and train.num_threads are
+"""Torch threads per CPU rank (k3train/runtime/process_groups.py: choose_num_threads): OMP_NUM_THREADS and train.num_threads are
 respected; otherwise the cores this process may use are shared among the ranks on the same HOST, counted by
 hostname over the process group -- also when two torchrun agents (a 2-"node" rehearsal) share one machine."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from dist_helpers import free_port, run_distributed
-from k3train.dist_env import child_pythonpath, choose_num_threads, cores_available
+from k3train.runtime.process_groups import child_pythonpath, choose_num_threads, cores_available
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))

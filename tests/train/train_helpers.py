@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from k3train.dist_env import child_pythonpath
+from k3train.runtime.process_groups import child_pythonpath
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable

@@ -10,7 +10,7 @@ font draws the text, so nothing is read from the network or from system fonts):
   The program text IS what drew the picture: :func:`run_drawing` executes it.
 * **video**: a clip of 2..4 frames of a shape moving across the picture, with a caption saying what moves where.
 
-One more kind is not in the shipped corpus (``n_picture=0``; ``tools/bench_vision_learns.py`` asks for it):
+One more kind is not in the shipped corpus (``n_picture=0``; ``benchmarks/bench_vision_learns.py`` asks for it):
 
 * **picture**: one still picture of a large shape, with a caption right after it naming its colour and shape
   (``A red circle.``), words that only the pixels determine.

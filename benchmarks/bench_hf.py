@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Time and peak memory per rank of the Hugging Face export and import (k3train/hf), and the estimate for K3.
 
-    python tools/bench_hf.py [--config configs/small.yaml] [--nproc 2] [--layout "--parallel.pp=2"]
+    python benchmarks/bench_hf.py [--config configs/small.yaml] [--nproc 2] [--layout "--parallel.pp=2"]
                              [--k3-config configs/k3.yaml] [--k3-layout "--parallel.pp=16 ..."] [--json]
 
 1. export: ``--nproc`` ranks (torchrun) build the config's model in ``--layout`` (name-seeded init) and write it in
@@ -47,7 +47,7 @@ def rank_phase(a: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from k3train.config import load_config
-    from k3train.dist_env import init_distributed, shutdown
+    from k3train.runtime.process_groups import init_distributed, shutdown
     from k3train.hf.export import write_hf_shards
     from k3train.hf.load import load_hf_weights
     from k3train.parallelize import parallelize
@@ -80,7 +80,7 @@ def run_phase(phase: str, a: argparse.Namespace, hf_dir: Path) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={a.nproc}",
            str(Path(__file__).resolve()), "--phase", phase, "--config", a.config, f"--layout={a.layout}",
            "--hf-dir", str(hf_dir), *a.overrides]
-    from k3train.dist_env import child_pythonpath
+    from k3train.runtime.process_groups import child_pythonpath
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": child_pythonpath(ROOT)}
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)

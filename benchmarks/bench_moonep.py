@@ -2,10 +2,10 @@
 replication; the planning + layout time per layer; MoonEP's extra memory vs depth and micro-batches in flight;
 the MoE layer step time on real gloo ranks.
 
-    python tools/bench_moonep.py planner         # load max/mean, replicas, bytes: E=64/R=8/top-8, K3 E=896/R=64/top-16
-    python tools/bench_moonep.py layout          # plan + layout ms per layer and micro-batch at K3 scale (E=896, R=64)
-    python tools/bench_moonep.py memory          # MoonEP extra bytes per rank vs MoE layers x micro-batches in flight
-    python tools/bench_moonep.py step --world 2     # fwd+bwd time of a small MoE layer, MoonEP on vs off
+    python benchmarks/bench_moonep.py planner         # load max/mean, replicas, bytes: E=64/R=8/top-8, K3 E=896/R=64/top-16
+    python benchmarks/bench_moonep.py layout          # plan + layout ms per layer and micro-batch at K3 scale (E=896, R=64)
+    python benchmarks/bench_moonep.py memory          # MoonEP extra bytes per rank vs MoE layers x micro-batches in flight
+    python benchmarks/bench_moonep.py step --world 2     # fwd+bwd time of a small MoE layer, MoonEP on vs off
 
 Routing model: Zipf(alpha) expert popularity (popularity ranks randomly placed over experts), each token picks k
 distinct experts with probability proportional to popularity. EPLB baseline (DeepSeek's static redundancy,

@@ -16,7 +16,7 @@ tokens; doc ids and positions as :meth:`k3train.data.batch.Batch.from_samples` m
 Shapes: K3's MLA head dims (qk 128 + 64, v 128, kv_lora_rank 512, q_lora_rank 1536) with ``--heads`` heads
 (K3: 96) and ``--hidden`` width, fp32. This is a tool, not a test::
 
-    OMP_NUM_THREADS=1 .venv/bin/python tools/bench_mla.py
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_mla.py
 """
 from __future__ import annotations
 

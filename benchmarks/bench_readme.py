@@ -2,11 +2,11 @@
 """`make bench`: re-measure, on this machine, every performance and accuracy figure the README states, and print
 claimed against measured with the conditions they were measured under.
 
-    .venv/bin/python tools/bench_readme.py [--only RUN[,RUN]] [--json FILE] [--logs DIR] [--max-load 0.5] [--force]
-    .venv/bin/python tools/bench_readme.py --list          # the claims and runs, nothing measured
+    .venv/bin/python benchmarks/bench_readme.py [--only RUN[,RUN]] [--json FILE] [--logs DIR] [--max-load 0.5] [--force]
+    .venv/bin/python benchmarks/bench_readme.py --list          # the claims and runs, nothing measured
 
 The claims (figure, the README's text, the bound a measurement must meet) and the tool invocations that measure
-them live in one place, tools/bench_claims.py. Every run gets ``OMP_NUM_THREADS=1`` (one thread per process, as
+them live in one place, benchmarks/bench_claims.py. Every run gets ``OMP_NUM_THREADS=1`` (one thread per process, as
 the README's figures were taken), its own temporary directory, and its own ``K3TRAIN_CACHE_DIR`` in it (the
 planner calibrates afresh: the user's cached calibration and MFU peak are neither used nor changed). Each run's
 wall time is printed beside the estimate for an idle 2-core machine (about 35 minutes for all) and its limit.
@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 from k3train.planning.host_busy import IDLE_OTHERS_CORES, cpu_seconds  # noqa: E402
 from bench_claims import (CLAIMS, FAST_MATMUL_GFLOPS, RUN_BY_NAME, RUNS, Claim, Measure, ParseError,  # noqa: E402
                           Run)
@@ -227,7 +227,7 @@ def execute(run: Run, tmp: Path, timeout_s: float) -> Outcome:
     """``run`` with this interpreter in the checkout, its own process group (killed whole at the limit)."""
     argv = [sys.executable, *(a.replace("{tmp}", str(tmp)) for a in run.argv)]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    from k3train.dist_env import child_pythonpath  # noqa: PLC0415
+    from k3train.runtime.process_groups import child_pythonpath  # noqa: PLC0415
     env.update(OMP_NUM_THREADS="1", K3TRAIN_CACHE_DIR=str(tmp / "cache"), WANDB_MODE="disabled",
                PYTHONPATH=child_pythonpath(ROOT))
     (tmp / "cache").mkdir(parents=True, exist_ok=True)
@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None, *, load: Callable[[], tuple[float, float
          runner: Callable[[Run, Path, float], Outcome] = execute,
          conditions: Callable[[], dict[str, Any]] = host_conditions, sleep: Callable[[float], None] = time.sleep
          ) -> int:
-    ap = argparse.ArgumentParser(prog="tools/bench_readme.py", description=__doc__,
+    ap = argparse.ArgumentParser(prog="benchmarks/bench_readme.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default="", help=f"comma-separated runs: {','.join(RUN_BY_NAME)}")
     ap.add_argument("--json", default="", metavar="FILE", help="write the conditions, runs and claims as JSON")

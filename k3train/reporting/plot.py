@@ -1,6 +1,6 @@
 """``k3train plot RUN_DIR [RUN_DIR ...] -o FILE.png``: the per-step curves of one or more runs, overlaid.
 
-Reads each run's ``metrics.jsonl`` (one JSON object per step, k3train/metrics.py) and ``config.yaml`` (the
+Reads each run's ``metrics.jsonl`` (one JSON object per step, k3train/reporting/metrics.py) and ``config.yaml`` (the
 resolved config the trainer writes), and draws loss (validation loss as markers), learning rate, grad norm,
 tokens/s, MFU, MoE MaxVio and pipeline p2p bytes per step. Each run's legend entry is its directory name and
 layout (``pp2 vpp2 dp1 cp1 ep1 zero1 muon``, plus the residual kind when the config has one), so two layouts,

@@ -16,7 +16,7 @@ projection, router, latent down/up, stacked experts ``[E, l, f]``; sizes from th
 Newton-Schulz: for each ``--ns-shapes`` entry ``H,dh,in`` times the batched per-head call on ``[H, dh, in]`` against
 the whole-matrix call on ``[H*dh, in]`` (best of ``--repeats``), with the nominal FLOP ratio next to it.
 
-Example: ``python tools/bench_optim.py --world 2 --ns-shapes 16,128,2048 32,128,4096``.
+Example: ``python benchmarks/bench_optim.py --world 2 --ns-shapes 16,128,2048 32,128,4096``.
 A tool, not a test: timings on a shared machine are noisy.
 """
 from __future__ import annotations

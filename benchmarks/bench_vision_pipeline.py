@@ -1,8 +1,8 @@
 """Benchmark the vision encoder's place in the pipeline (``parallel.encoder_schedule``): bubbles vs before vs inline.
 
-    .venv/bin/python tools/bench_vision_pipeline.py                                   # tiny-vl, pp = 2 and 4
-    .venv/bin/python tools/bench_vision_pipeline.py --pp 2 --steps 8 --vision.num_hidden_layers=4   # heavier ViT
-    .venv/bin/python tools/bench_vision_pipeline.py --pp 2 --steps 1 --warmup 0 --train.global_batch_size=4  # smoke
+    .venv/bin/python benchmarks/bench_vision_pipeline.py                                   # tiny-vl, pp = 2 and 4
+    .venv/bin/python benchmarks/bench_vision_pipeline.py --pp 2 --steps 8 --vision.num_hidden_layers=4   # heavier ViT
+    .venv/bin/python benchmarks/bench_vision_pipeline.py --pp 2 --steps 1 --warmup 0 --train.global_batch_size=4  # smoke
 
 What runs: ``configs/tiny-vl.yaml`` (any ``--section.key=value`` overrides it) on the shipped multimodal corpus
 (``make data-mm``), one pipeline of ``pp`` ranks (dp = cp = 1; gloo, spawned processes, one thread each) per

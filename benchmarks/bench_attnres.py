@@ -1,10 +1,10 @@
 """Benchmark Block AttnRes against the standard PreNorm residual (``model.residual``): step time and saved bytes.
 
-    .venv/bin/python tools/bench_attnres.py                                   # configs/small.yaml, both layouts
-    .venv/bin/python tools/bench_attnres.py --bytes-only                      # only the (deterministic) bytes
-    .venv/bin/python tools/bench_attnres.py --layouts single --steps 5 --train.seq_len=512
-    .venv/bin/python tools/bench_attnres.py --aggregation                     # one aggregation: fused vs reference
-    .venv/bin/python tools/bench_attnres.py --layouts pp2vpp2 --recompute on --steps 8 --profile
+    .venv/bin/python benchmarks/bench_attnres.py                                   # configs/small.yaml, both layouts
+    .venv/bin/python benchmarks/bench_attnres.py --bytes-only                      # only the (deterministic) bytes
+    .venv/bin/python benchmarks/bench_attnres.py --layouts single --steps 5 --train.seq_len=512
+    .venv/bin/python benchmarks/bench_attnres.py --aggregation                     # one aggregation: fused vs reference
+    .venv/bin/python benchmarks/bench_attnres.py --layouts pp2vpp2 --recompute on --steps 8 --profile
 
 For each residual (attnres, standard), layout (``single``: one process; ``pp2vpp2``: two gloo processes, pp=2 x
 vpp=2, interleaved 1F1B) and ``parallel.recompute`` (off, on; ``model.attn_res_recompute`` as the config sets it),

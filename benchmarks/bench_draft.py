@@ -13,7 +13,7 @@ expected accepted length of the chain (``val_draft_accept_len``; definitions in 
 the untrained draft and after LK and KL training; each run's validation objective; and the median step time (the
 machine may be shared: say so when quoting it).
 
-Example: ``python tools/bench_draft.py --target-steps 200 --steps 150`` (about 10 minutes on 2 idle cores).
+Example: ``python benchmarks/bench_draft.py --target-steps 200 --steps 150`` (about 10 minutes on 2 idle cores).
 Any ``--section.key=value`` override applies to the draft runs (e.g. ``--optim.lr=1e-3``).
 """
 from __future__ import annotations

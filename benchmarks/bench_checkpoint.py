@@ -13,7 +13,7 @@ runs one training step (so optimizer state exists), then alternates ``--repeats`
 and reports the median stall of each (max over ranks), their ratio, the step time and the checkpoint size, all
 measured in the same run. Every async checkpoint is verified against its manifest afterwards.
 
-Example: ``.venv/bin/python tools/bench_checkpoint.py --nprocs 1 2 [--section.key=value ...]``. A tool, not a test: timings on a shared
+Example: ``.venv/bin/python benchmarks/bench_checkpoint.py --nprocs 1 2 [--section.key=value ...]``. A tool, not a test: timings on a shared
 machine are noisy.
 """
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Benchmark the pipeline: AttnRes p2p bytes (cached vs full) and the schedule's idle fraction.
 
-    .venv/bin/python tools/bench_pipeline.py                    # analytic K3 tables + gloo runs (4 ranks)
-    .venv/bin/python tools/bench_pipeline.py --no-run           # analytic only
-    .venv/bin/python tools/bench_pipeline.py --steps 3 --micro-batches 8
-    .venv/bin/python tools/bench_pipeline.py --recv-waits --steps 20        # Part 3 only (receive waits)
+    .venv/bin/python benchmarks/bench_pipeline.py                    # analytic K3 tables + gloo runs (4 ranks)
+    .venv/bin/python benchmarks/bench_pipeline.py --no-run           # analytic only
+    .venv/bin/python benchmarks/bench_pipeline.py --steps 3 --micro-batches 8
+    .venv/bin/python benchmarks/bench_pipeline.py --recv-waits --steps 20        # Part 3 only (receive waits)
 
 Part 1 (analytic, full K3 dims: 93 layers, AttnRes blocks of 12, H = 7168, S = 8192 tokens per micro-batch,
 bf16): bytes per micro-batch per boundary and per step for the proposed layouts (auto partition from the cost

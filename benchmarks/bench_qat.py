@@ -12,7 +12,7 @@ batches -- ``train.qat=none`` (the experts in the run's dtype) and ``train.qat=m
 plus an isolated measurement: one tiny LatentMoE layer's forward + backward with and without QAT, interleaved
 (best of ``--repeats``), so the fake-quant's own cost is visible apart from the rest of the step.
 
-Example: ``python tools/bench_qat.py --steps 60 [--train.seq_len=64 ...]`` (minutes on 2 cores). A tool, not a
+Example: ``python benchmarks/bench_qat.py --steps 60 [--train.seq_len=64 ...]`` (minutes on 2 cores). A tool, not a
 test: timings on a shared machine are noisy; the loss gaps are deterministic for a given machine and config.
 """
 from __future__ import annotations

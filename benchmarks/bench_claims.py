@@ -1,4 +1,4 @@
-"""The README's performance and accuracy figures as claims `make bench` (tools/bench_readme.py) re-measures: the one
+"""The README's performance and accuracy figures as claims `make bench` (benchmarks/bench_readme.py) re-measures: the one
 place that says which figure, its tolerance, and which tool invocation measures it.
 
 Each :class:`Run` is one tool invocation (arguments chosen so that all of them together take about 30 minutes on
@@ -81,7 +81,7 @@ def _num(cell: str) -> float:
 
 
 def parse_kda(out: str) -> dict[str, Measure]:
-    """tools/bench_kda.py: the row ``T=4096, K=V=128`` (14 cells: T, K=V, new ms, autograd, naive ms, vs auto,
+    """benchmarks/bench_kda.py: the row ``T=4096, K=V=128`` (14 cells: T, K=V, new ms, autograd, naive ms, vs auto,
     vs naive, GFLOP, mm GF/s, new/mm, auto/mm, saved new, saved auto, max|do|)."""
     for line in out.splitlines():
         c = line.split()
@@ -98,7 +98,7 @@ _ATTNRES = re.compile(r"^(\S+)\s+(off|on)\s+attnres\s+\|\s+([\d.]+)\s+([+-]?[\d.
 
 
 def parse_attnres(out: str) -> dict[str, Measure]:
-    """tools/bench_attnres.py: the ``attnres`` row's overhead (median of time-adjacent step pairs), with its
+    """benchmarks/bench_attnres.py: the ``attnres`` row's overhead (median of time-adjacent step pairs), with its
     pairs' range and the quartets beside it."""
     for line in out.splitlines():
         m = _ATTNRES.match(line)
@@ -122,7 +122,7 @@ _LAYOUT = re.compile(r"^\s*(\d+)\s+([\d.]+)\s+(\d+)\s+\|\s+([\d.]+)\s+([\d.]+)\s
 
 
 def parse_moonep_layout(out: str) -> dict[str, Measure]:
-    """tools/bench_moonep.py layout: the slowest row's plan + layout ms (the ``fast`` column)."""
+    """benchmarks/bench_moonep.py layout: the slowest row's plan + layout ms (the ``fast`` column)."""
     rows = _rows(_LAYOUT, out, "bench_moonep layout")
     worst = max(rows, key=lambda r: float(r[3]))
     host = re.search(r"host: sum\(range\(1000\)\) ([\d.]+) us", out)
@@ -135,7 +135,7 @@ _MEMROW = re.compile(r"^\s*(\d+)\s+(\d+)\s+\|\s+(-?\d+)\s+\|\s+(-?\d+)\s+\|\s+(\
 
 
 def parse_moonep_memory(out: str) -> dict[str, Measure]:
-    """tools/bench_moonep.py memory: MoonEP's extra bytes (held after the forwards and at the backward's peak,
+    """benchmarks/bench_moonep.py memory: MoonEP's extra bytes (held after the forwards and at the backward's peak,
     MoonEP minus plain EP) at every MoE depth and micro-batches in flight, as a fraction of its two-bank replica
     pool: flat means bounded by the pool, where the old design's held bytes grow as layers x micro-batches."""
     rows = [tuple(map(int, r)) for r in _rows(_MEMROW, out, "bench_moonep memory")]
@@ -154,7 +154,7 @@ _CKPT = re.compile(r"^\s*(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]
 
 
 def parse_checkpoint(out: str) -> dict[str, Measure]:
-    """tools/bench_checkpoint.py: sync stall / async stall, the smaller over the process counts."""
+    """benchmarks/bench_checkpoint.py: sync stall / async stall, the smaller over the process counts."""
     rows = _rows(_CKPT, out, "bench_checkpoint")
     worst = min(rows, key=lambda r: float(r[6]))
     detail = "; ".join(f"{r[0]} proc: sync {r[3]} s, async {r[5]} s ({r[1]} MiB, step {r[2]} s)" for r in rows)
@@ -200,7 +200,7 @@ def parse_memory(key: str) -> Callable[[str], dict[str, Measure]]:
 
 
 def parse_vision(out: str) -> dict[str, Measure]:
-    """tools/bench_vision_learns.py --json: its verdict (``ok``) and the gap line it prints."""
+    """benchmarks/bench_vision_learns.py --json: its verdict (``ok``) and the gap line it prints."""
     d = _last_json(out)
     if "ok" not in d:
         raise ParseError("bench_vision_learns: no 'ok' in its JSON")
@@ -213,20 +213,20 @@ def parse_vision(out: str) -> dict[str, Measure]:
 # ---------------------------------------------------------------------------------------------------------------
 TINY_MEM = ("tools/memory.py", "--config", "configs/tiny.yaml", "--world-size", "2", "--measure", "--json")
 RUNS: tuple[Run, ...] = (
-    Run("kda", ("tools/bench_kda.py", "--threads", "1", "--lengths", "4096", "--dims", "128", "--heads", "4",
+    Run("kda", ("benchmarks/bench_kda.py", "--threads", "1", "--lengths", "4096", "--dims", "128", "--heads", "4",
                 "--repeats", "5", "--naive-max-t", "1"),
         "T=4096, H=4, K=V=128, fp32, 1 thread, median of 5; naive reference skipped", 60, 300, parse_kda),
-    Run("attnres", ("tools/bench_attnres.py", "--config", "configs/small.yaml", "--layouts", "pp2vpp2",
+    Run("attnres", ("benchmarks/bench_attnres.py", "--config", "configs/small.yaml", "--layouts", "pp2vpp2",
                     "--recompute", "off", "--steps", "6", "--warmup", "1"),
         "configs/small.yaml, pp=2 x vpp=2 (2 processes), recompute off, 6 step pairs after 1", 330, 900,
         parse_attnres),
-    Run("moonep_layout", ("tools/bench_moonep.py", "layout"),
+    Run("moonep_layout", ("benchmarks/bench_moonep.py", "layout"),
         "E=896, R=64, top-16, 1024 and 4096 tokens/rank, alpha 0/1/1.5, 1 thread, median of 20", 90, 300,
         parse_moonep_layout),
-    Run("moonep_memory", ("tools/bench_moonep.py", "memory"),
+    Run("moonep_memory", ("benchmarks/bench_moonep.py", "memory"),
         "2 gloo ranks, E=8 top-2, 1/2/4 MoE layers x 1/2/4 micro-batches in flight, fp32", 30, 300,
         parse_moonep_memory),
-    Run("checkpoint", ("tools/bench_checkpoint.py",),
+    Run("checkpoint", ("benchmarks/bench_checkpoint.py",),
         "configs/small.yaml (94M parameters + optimizer state), 1 and 2 processes, median of 2", 240, 900,
         parse_checkpoint),
     Run("planner", ("tools/plan.py", "--config", "configs/tiny.yaml", "--world-size", "4", "--device", "cpu",
@@ -241,7 +241,7 @@ RUNS: tuple[Run, ...] = (
                           "--parallel.moonep=true", "--parallel.overlap_ep=false"),
         "tiny, world 2, dp=2 ep=2 ZeRO-2 MoonEP, F/B pairing off, 3 measured steps", 75, 300,
         parse_memory("memory_dp2ep2")),
-    Run("vision", ("tools/bench_vision_learns.py", "--json"),
+    Run("vision", ("benchmarks/bench_vision_learns.py", "--json"),
         "tiny-vl in one process, the tool's default corpus and steps", 180, 900, parse_vision, ok_exit=(0, 1)),
 )
 

@@ -29,9 +29,9 @@ FLOP count (nominal, dense-equivalent; forward, per chunk of C tokens per head, 
 Goals (issue 13) at T=4096, H=4, K=V=128, one thread: new >= 2x autograd, >= 40% of matmul FLOP/s, saved bytes
 <= 3x input bytes. On an idle machine::
 
-    OMP_NUM_THREADS=1 .venv/bin/python tools/bench_kda.py --threads 1
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_kda.py --threads 1
 
-The host allocator keeps freed memory (:func:`k3train.host_alloc.keep_freed_memory`, as a device's caching
+The host allocator keeps freed memory (:func:`k3train.runtime.host_memory.keep_freed_memory`, as a device's caching
 allocator does), so the times are the ops' work rather than the kernel zero-filling the pages that glibc returned
 and takes back on every call; ``--host-alloc default`` leaves glibc as it comes.
 
@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from k3train.host_alloc import keep_freed_memory  # noqa: E402
+from k3train.runtime.host_memory import keep_freed_memory  # noqa: E402
 from k3train.ops.kda import chunk_kda, chunk_kda_autograd  # noqa: E402
 from k3train.ops.kda_naive import naive_recurrent_kda  # noqa: E402
 
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--matmul-n", type=int, default=2048, help="square fp32 matmul size for the peak reference")
     p.add_argument("--clock", choices=["wall", "thread"], default="wall")
     p.add_argument("--host-alloc", choices=["keep", "default"], default="keep",
-                   help="keep: the host allocator keeps freed memory (k3train/host_alloc.py), so the times are the "
+                   help="keep: the host allocator keeps freed memory (k3train/runtime/host_memory.py), so the times are the "
                         "ops' work and not the kernel's page zeroing; default: glibc as it comes")
     a = p.parse_args(argv)
     alloc = keep_freed_memory() if a.host_alloc == "keep" else "host allocator unchanged (--host-alloc default)"

@@ -41,8 +41,8 @@ def measure_peak_flops(device: torch.device, seconds: float = 0.3, n: int = 1024
 
 
 def peak_flops_cache_path(device: torch.device) -> Path:
-    """``<cache_dir>/peak_flops-<host>.json`` (:func:`k3train.cache_dir.cache_dir`): one file per machine."""
-    from k3train.cache_dir import cache_dir
+    """``<cache_dir>/peak_flops-<host>.json`` (:func:`k3train.runtime.cache_dir.cache_dir`): one file per machine."""
+    from k3train.runtime.cache_dir import cache_dir
 
     return cache_dir() / f"peak_flops-{socket.gethostname()}.json"
 

@@ -1,7 +1,7 @@
 """Benchmark KCP: bytes moved per rank per layer (analytic at K3 dims, measured with gloo) and the fold's time share.
 
-    .venv/bin/python tools/bench_kcp.py                       # analytic table + gloo runs at CP 2 and 4
-    .venv/bin/python tools/bench_kcp.py --cp 2 --T 512 2048 --reps 2
+    .venv/bin/python benchmarks/bench_kcp.py                       # analytic table + gloo runs at CP 2 and 4
+    .venv/bin/python benchmarks/bench_kcp.py --cp 2 --T 512 2048 --reps 2
 
 Part 1 (analytic, K3 dims: 96 heads x 128, latent 576, conv kernel 4, one row): bytes moved per rank per KDA layer
 (forward + backward) by KCP -- the (M, S~) all-gather, the entry-gradient all-gather, the conv halos -- next to

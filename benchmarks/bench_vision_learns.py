@@ -3,7 +3,7 @@
 right after each media names what only the pixels show, and compare, on held-out rows, the loss of that text with
 the real pixels and with noise in their place.
 
-    .venv/bin/python tools/bench_vision_learns.py [--config configs/tiny-vl.yaml] [--steps 150] [--eval-every 50]
+    .venv/bin/python benchmarks/bench_vision_learns.py [--config configs/tiny-vl.yaml] [--steps 150] [--eval-every 50]
         [--picture 1200] [--video 400] [--ocr 0] [--code 0] [--corpus-seed 1] [--eval-rows 0] [--min-gap 0.1]
         [--break-vision none|zero-encoder] [--out DIR] [--json] [--section.key=value ...]
 
@@ -441,7 +441,7 @@ def print_table(evals: list[dict[str, Any]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="tools/bench_vision_learns.py", description=__doc__,
+    ap = argparse.ArgumentParser(prog="benchmarks/bench_vision_learns.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     ap.add_argument("--config", default=str(ROOT / "configs" / "tiny-vl.yaml"))
     ap.add_argument("--steps", type=int, default=STEPS, help="training steps (the LR schedule spans them)")

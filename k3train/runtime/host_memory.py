@@ -2,7 +2,7 @@
 
 glibc's malloc hands blocks above its mmap threshold (dynamic, starting at 128 KiB) straight back to the kernel
 on ``free`` and trims the heap top above its trim threshold, so a CPU op whose temporaries are tens of MiB pays
-the kernel's zero-filling of every page again on every call: tools/bench_kda.py at T=4096, H=4, K=V=128 took
+the kernel's zero-filling of every page again on every call: benchmarks/bench_kda.py at T=4096, H=4, K=V=128 took
 50,000-60,000 minor page faults and 90-170 ms of system time per forward + backward (a fifth of the op) until an
 earlier, larger op happened to raise both thresholds. torch's CUDA caching allocator never returns memory
 between steps, so on the device the op pays none of this; benchmarks that time an op's own work call

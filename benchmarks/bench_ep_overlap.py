@@ -3,11 +3,11 @@
 moonep/dispatcher.py) -- and what of the gradient reduction and ZeRO's parameter broadcast stays exposed: time
 through the real trainer step on gloo ranks (CPU), each setting after the other in one run.
 
-    .venv/bin/python tools/bench_ep_overlap.py                       # configs/small.yaml, dp2 ep2, 4 micro-batches
-    .venv/bin/python tools/bench_ep_overlap.py --world 4 --pp 2 --vpp 2   # pp2 vpp2 dp2 ep2 (4 ranks)
-    .venv/bin/python tools/bench_ep_overlap.py --config configs/tiny.yaml --steps 6 --micro-batches 6
-    .venv/bin/python tools/bench_ep_overlap.py --moonep false --recompute true --train.seq_len=128
-    .venv/bin/python tools/bench_ep_overlap.py --settings none,split --zero 2
+    .venv/bin/python benchmarks/bench_ep_overlap.py                       # configs/small.yaml, dp2 ep2, 4 micro-batches
+    .venv/bin/python benchmarks/bench_ep_overlap.py --world 4 --pp 2 --vpp 2   # pp2 vpp2 dp2 ep2 (4 ranks)
+    .venv/bin/python benchmarks/bench_ep_overlap.py --config configs/tiny.yaml --steps 6 --micro-batches 6
+    .venv/bin/python benchmarks/bench_ep_overlap.py --moonep false --recompute true --train.seq_len=128
+    .venv/bin/python benchmarks/bench_ep_overlap.py --settings none,split --zero 2
 
 Settings (``--settings``, comma-separated; default all four): ``none`` (neither: every collective waits in line,
 the honest baseline), ``split`` (expert_wgrad_split only), ``paired`` (overlap_ep only), ``both``.
