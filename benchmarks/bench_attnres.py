@@ -57,7 +57,7 @@ sys.path.insert(0, str(ROOT))
 
 from k3train.config import load_config  # noqa: E402
 from k3train.data.batch import Batch  # noqa: E402
-from k3train.planning.live_bytes import LiveBytes  # noqa: E402
+from k3train.planning.fakerun.live_bytes import LiveBytes  # noqa: E402
 from parallel.dims import ParallelDims  # noqa: E402
 from parallel.pipeline import LossNorm, build_step_runner  # noqa: E402
 from parallel.pipeline.partition import build_partition  # noqa: E402

@@ -33,7 +33,7 @@ from k3train.config import load_config  # noqa: E402
 from k3train.model.mla import MLA, MaskInfo, attention_core  # noqa: E402
 from k3train.model.seq import SeqInfo  # noqa: E402
 from k3train.ops.mla_blockwise import block_plan  # noqa: E402
-from k3train.planning.live_bytes import LiveBytes  # noqa: E402
+from k3train.planning.fakerun.live_bytes import LiveBytes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -172,7 +172,7 @@ def _mem_body(rank: int, world: int, args: argparse.Namespace, out: dict) -> Non
 
     from k3train.config import ModelConfig
     from k3train.model.moe import LatentMoE
-    from k3train.planning.live_bytes import LiveBytes
+    from k3train.planning.fakerun.live_bytes import LiveBytes
     from moonep import apply_expert_parallel
     from parallel.dims import ParallelDims
 

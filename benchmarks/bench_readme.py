@@ -44,7 +44,7 @@ from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from k3train.planning.host_busy import IDLE_OTHERS_CORES, cpu_seconds  # noqa: E402
+from k3train.planning.calibration.host_busy import IDLE_OTHERS_CORES, cpu_seconds  # noqa: E402
 from bench_claims import (CLAIMS, FAST_MATMUL_GFLOPS, RUN_BY_NAME, RUNS, Claim, Measure, ParseError,  # noqa: E402
                           Run)
 

@@ -14,8 +14,8 @@ images the config allows, ``--media-frames`` per media), ``data`` (the run's own
 ``--json`` prints one object with a ``ranks`` list of ``{rank, pp_rank, dp_rank, cp_rank, ep_rank, params, grads,
 optimizer, activations, buffers, peak}`` in bytes (``measured_peak`` with ``--measure``). ``--plot F.png``: a
 stacked bar per pipeline stage (its worst rank). ``--measure`` runs ``--steps`` real training steps of the same
-config and layout with torchrun on this machine (k3train.planning.measure) and reports the measured peak of live tensor
-bytes beside the estimate. What is traced and what is computed: k3train/planning/memory.py.
+config and layout with torchrun on this machine (k3train.planning.calibration.measure_memory) and reports the measured
+peak of live tensor bytes beside the estimate. What is traced and what is computed: k3train/planning/memory/.
 """
 from __future__ import annotations
 
@@ -30,16 +30,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from k3train.config import ConfigError, load_config  # noqa: E402 - after the path set-up above
+from k3train.planning.scope import check_modelled  # noqa: E402
+
 
 def run_measure(config: str, world: int, overrides: list[str], steps: int, timeout: float = 1800) -> dict[int, int]:
     """Measured peak live tensor bytes per rank (real training steps under torchrun)."""
     with tempfile.TemporaryDirectory(prefix="k3mem_") as tmp:
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-        from k3train.runtime.process_groups import child_pythonpath  # noqa: PLC0415
+        from k3train.runtime.process_groups import child_pythonpath  # lazy: it loads torch; only --measure needs it
         env.update(WANDB_MODE="disabled", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
                    PYTHONPATH=child_pythonpath(ROOT))
         torchrun = Path(sys.executable).with_name("torchrun")
-        cmd = [str(torchrun), "--standalone", f"--nproc_per_node={world}", "-m", "k3train.planning.measure",
+        cmd = [str(torchrun), "--standalone", f"--nproc_per_node={world}", "-m", "k3train.planning.calibration.measure_memory",
                "--config", config, "--out", tmp, "--steps", str(steps), *overrides]
         p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
         if p.returncode != 0:
@@ -52,12 +55,12 @@ def run_measure(config: str, world: int, overrides: list[str], steps: int, timeo
 
 
 def plot(est, path: str) -> None:  # noqa: ANN001 - an Estimate
-    import matplotlib
+    import matplotlib  # lazy: matplotlib is optional (only --plot needs it)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib is optional (only --plot needs it)
 
-    from k3train.planning.memory import CATEGORIES
+    from k3train.planning.memory.results import CATEGORIES  # lazy: torch is not loaded before the config is checked
 
     worst = {}
     for r in est.ranks:
@@ -102,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--all-ranks", action="store_true", help="print every rank (default: worst per stage "
                                                              "when a stage has more than 8)")
     args, overrides = ap.parse_known_args(argv)
-    from k3train.config import ConfigError, load_config
-    from k3train.planning.memory import MediaCase, check_modelled, estimate, format_table
+    # lazy: torch is not loaded before the command line is parsed (--help, a bad flag: fast)
+    from k3train.planning.memory.media import MediaCase
 
     try:
         cfg = load_config(args.config, overrides, world_size=args.world_size)
@@ -115,12 +118,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.plot:
         try:
-            import matplotlib  # noqa: F401
+            import matplotlib  # noqa: F401  # lazy: matplotlib is optional (only --plot needs it)
         except ImportError:
             print("k3train: error: --plot needs matplotlib (.venv/bin/pip install matplotlib)", file=sys.stderr)
             return 2
     if args.check_compose:
-        from k3train.planning.memory import compose_check
+        from k3train.planning.memory.compose_check import compose_check  # lazy: torch (after the config check)
 
         rows = compose_check(cfg)
         for r in rows:
@@ -129,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{[round(x / 2**20, 2) for x in r['whole']]} MiB, composed "
                   f"{[round(x / 2**20, 2) for x in r['composed']]} MiB, error {[f'{e:+.2f}%' for e in err]}")
         return 0
+    from k3train.planning.memory.estimate import estimate  # lazy: torch (after the config check)
+    from k3train.planning.memory.report import format_table  # lazy: torch (after the config check)
+
     est = estimate(cfg, args.world_size, media=media)
     if args.measure:
         measured = run_measure(args.config, args.world_size, overrides, args.steps)

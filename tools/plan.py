@@ -1,4 +1,4 @@
-"""Which parallel layout trains fastest without running out of memory, and why (k3train/planning/plan.py).
+"""Which parallel layout trains fastest without running out of memory, and why (k3train/planning/search/).
 
     .venv/bin/python tools/plan.py --config configs/tiny.yaml --world-size 4 --device cpu --measure 8
     .venv/bin/python tools/plan.py --config configs/k3.yaml --world-size 2048 --device h200 --json --plot k3.png
@@ -8,7 +8,7 @@ validation accepts for the world size -- a ``--parallel.X=`` / ``--train.micro_b
 dimension -- drops those whose estimated per-rank peak (tools/memory.py's estimator) exceeds the device memory,
 predicts each step time with its breakdown (compute, exposed communication, bubble, optimizer) and prints the
 ranking. ``--device`` is ``cpu`` (calibrated here, cached) or ``h100`` / ``h200`` / ``b200`` (published figures);
-``--device-field FIELD=VALUE`` overrides any field (k3train/planning/devices.py). ``--json``: one object with a
+``--device-field FIELD=VALUE`` overrides any field (k3train/planning/calibration/devices.py). ``--json``: one object with a
 ``layouts`` list. ``--plot F.png``: predicted throughput against peak memory, the chosen layout marked.
 ``--measure K``: the top K and a few of the slowest predicted layouts run for ``--steps`` real steps under torchrun
 here; measured beside predicted, median absolute error and Spearman rank correlation.
@@ -16,16 +16,24 @@ here; measured beside predicted, median absolute error and Spearman rank correla
 from __future__ import annotations
 
 import argparse
-import math
+import dataclasses
 import json
+import math
+import os
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from k3train.config import ConfigError, load_config  # noqa: E402 - after the path set-up above
+from k3train.planning.scope import check_modelled  # noqa: E402
+from k3train.preflight import is_bad_input  # noqa: E402
 
-def main(argv: list[str] | None = None) -> int:
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tools/plan.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True)
@@ -50,193 +58,237 @@ def main(argv: list[str] | None = None) -> int:
                                                     "'--parallel.pp=16 --parallel.vpp=2 ...'")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--plot", default="")
-    args, overrides = ap.parse_known_args(argv)
-    from k3train.config import ConfigError, load_config
-    from k3train.preflight import is_bad_input
+    return ap
 
+
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = _parser().parse_known_args(argv)
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     try:
-        if args.world_size < 1:
-            raise ConfigError(f"--world-size: must be >= 1, got {args.world_size}")
-        for k, v in (("--top", args.top), ("--measure", args.measure), ("--steps", args.steps - 1)):
-            if v < (1 if k != "--measure" else 0):
-                raise ConfigError(f"{k}: out of range")
-        if args.ep_skew < 1:
-            raise ConfigError(f"--ep-skew: must be >= 1 (max load / mean load), got {args.ep_skew}")
-        from k3train.planning.memory import check_modelled
-
-        check_modelled(load_config(args.config, overrides))  # the base config itself (keys, types) before any work
-        ref_over = args.reference.split() if args.reference else []
-        if ref_over:
-            load_config(args.config, overrides + ref_over, world_size=args.world_size)
-        if args.plot:
-            try:
-                import matplotlib  # noqa: F401
-            except ImportError:
-                raise ConfigError("--plot needs matplotlib (.venv/bin/pip install matplotlib)") from None
-        from k3train.planning.devices import get_device
-        from k3train.planning.layer_bench import LayerTimes
-        from k3train.planning.layouts import enumerate_layouts
-
-        import time
-
-        t_enum = time.perf_counter()
-        pairs = enumerate_layouts(args.config, overrides, args.world_size)
-        t_enum = time.perf_counter() - t_enum
-        if not pairs[0]:
-            raise ConfigError(f"no valid layout of {args.config} for world size {args.world_size} (with the "
-                              f"dimensions pinned on the command line: {' '.join(overrides) or 'none'})")
-
-        if args.device.lower() != "cpu" and args.measure:
-            raise ConfigError(f"--measure runs on this machine: it needs --device cpu, not {args.device}")
-        from k3train.planning.devices import cache_path
-        from k3train.planning.host_busy import OthersCpu
-
-        cal_file = cache_path(args.calibration)
-        cal_before = cal_file.read_bytes() if args.device.lower() == "cpu" and cal_file.exists() else None
-        others = OthersCpu()  # a calibration taken beside other work is discarded (_keep_calibration)
-        dev = get_device(args.device, args.world_size, args.device_field, args.calibration, log)
-
-        lt = (LayerTimes(cache_path(args.calibration), dev.threads, log, config=args.config, overrides=overrides)
-              if dev.is_cpu else None)
-        if lt is not None:
-            # how ranks slow each other down, measured on copies of this config's real one-process trainer (the
-            # device-level small-op curve, and even the bare model's forward + backward, miss what a trainer step
-            # shares the cores with: its loader, optimizer, bookkeeping and working set)
-            import dataclasses
-
-            curve = lt.concurrency(load_config(args.config, overrides), max(2, args.world_size) * dev.threads)
-            dev = dataclasses.replace(dev, calibration={**dev.calibration, "concurrency": curve,
-                                                        "concurrency_workload": "this config's trainer"})
-        from k3train.planning.plan import Planner
-
-        planner = Planner(args.config, overrides, args.world_size, dev, top=max(args.top, args.measure),
-                          skew=args.ep_skew, exhaustive=args.exhaustive, layer_times=lt,
-                          trace_budget_s=args.trace_budget_s or math.inf, sim_budget_s=args.sim_budget_s,
-                          time_budget_s=args.time_budget_s, log=log,
-                          pairs=pairs)
-        planner.enum_s = t_enum
-        res = planner.run()
+        ref_over = _checked(args, overrides)
+        run = _plan(args, overrides, log)
     except Exception as e:  # noqa: BLE001 - bad input is one line; anything else is a bug and raises
         if isinstance(e, (ConfigError, FileNotFoundError)) or is_bad_input(e):
             print(f"k3train: error: {e}", file=sys.stderr)
             return 2
         raise
-    from k3train.planning.plan import (distinct_top, format_table, measure_step, plot, slowest_fitting,
-                                       spearman)
-
+    planner, res, lt = run["planner"], run["res"], run["lt"]
+    ref_row = _place_reference(args, overrides, ref_over, planner, res)
     ranked = res.ranked()
-    ref_row = None
-    if ref_over:
-        from k3train.planning.layouts import canonical
-
-        ref_lay = canonical(load_config(args.config, overrides + ref_over, world_size=args.world_size))
-        ref_row = next((r for r in res.rows if r.layout == ref_lay), None)
-        if ref_row is not None and ref_row.pred is None:
-            ref_row.skipped = ""
-            ref_row.pred = _predict_one(planner, ref_row, res)
-        if ref_row is not None and ref_row.peak_bytes is None and ref_row.fits is not False:
-            planner.trace(ref_row)
-        ranked = res.ranked()  # a fitting reference competes like any traced layout
     chosen = ranked[0] if ranked else None
-    if args.measure:
-        bottom = slowest_fitting(planner, res, args.bottom, _predict_one)
-        top = distinct_top(planner, res, args.measure, _predict_one)
-        picks = top + [r for r in bottom if r not in top]
-    cal_note = _keep_calibration(cal_file, cal_before, others, lt) if dev.is_cpu else None
+    picks = _measure_picks(args, planner, res) if args.measure else []
+    cal_note = _keep_calibration(run["cal_file"], run["cal_before"], run["others"], lt) if run["dev"].is_cpu else None
     if cal_note:
         res.notes.append(cal_note)
     if args.measure:
-        for r in picks:
-            log(f"measuring {r.layout.short()} ({args.steps} steps) ...")
-            run_others = OthersCpu()
-            r.measured = measure_step(args.config, overrides + r.layout.overrides(), args.world_size, args.steps,
-                                      dev.threads)
-            r.measured["others_cores"] = run_others.cores()
+        _measure(args, overrides, picks, run["dev"], log)
         ranked = res.ranked()  # the picks traced layouts the budget had left out: they compete too
         chosen = ranked[0] if ranked else None
     if chosen is not None:  # its exposed communication by kind, pipeline transfers included (one simulation more)
         chosen.pred = _predict_one(planner, chosen, res, split_p2p=True)
     if args.plot:
+        from k3train.planning.search.report import plot  # lazy: torch is not loaded before the config is checked
+
         plot(res, args.plot, chosen, ref_row)
     if args.json:
+        dev = run["dev"]
         print(json.dumps({"world_size": args.world_size, "device": _dev_json(res.device),
                           "candidates_checked": res.candidates, "seconds": res.seconds, "notes": res.notes,
                           "chosen": chosen.as_json(res.base_cfg, res.world, dev.peak_flops) if chosen else None,
                           "reference": ref_row.as_json(res.base_cfg, res.world, dev.peak_flops) if ref_row else None,
                           "layouts": [r.as_json(res.base_cfg, res.world, dev.peak_flops) for r in res.rows]}))
     else:
-        print(res.device.describe())
-        anchor = lt.anchor(res.base_cfg) if lt is not None else None
-        if anchor is not None:
-            print(anchor.describe())
-        for n in res.notes:
-            print("note:", n)
-        show = ranked[:args.top]
-        if show:
-            print(format_table(res, show))
-        else:  # nothing fits: still show what is fastest, and how far from fitting
-            fast = sorted((r for r in res.rows if r.pred is not None), key=lambda r: r.pred.step_s)[:args.top]
-            print(f"NO layout fits {res.device.hbm_bytes / 2**30:.1f} GiB; the fastest predicted ones (peak '-' = "
-                  f"not traced; memory lower bound {_lb(fast)}):")
-            print(format_table(res, fast))
-        if ref_row is not None:
-            place = (ranked.index(ref_row) + 1) if ref_row in ranked else None
-            sims = sorted(r.pred.step_s for r in res.rows if r.pred is not None)
-            by_time = (sum(1 for x in sims if x < ref_row.pred.step_s) + 1) if ref_row.pred else None
-            print(f"reference {ref_row.layout.short()}: " + (f"rank {place} of {len(ranked)} fitting" if place else
-                  f"fits={ref_row.fits}") + (f", predicted {ref_row.pred.step_s:.4g} s (place {by_time} of "
-                                             f"{len(sims)} simulated by predicted time)" if ref_row.pred else ""))
-            if ref_row not in show and ref_row.pred is not None and ref_row.peak_bytes is not None:
-                print(format_table(res, [ref_row]).splitlines()[1])
-            if ref_row.pred is not None:
-                print(f"  {exposed_line(_predict_one(planner, ref_row, res, split_p2p=True))}")
-        if chosen is not None:
-            print(f"chosen: {chosen.layout.short()}  ({' '.join(chosen.layout.overrides())})")
-            print(f"  {exposed_line(chosen.pred)}")
-        print(f"(planned in {res.seconds['total']:.1f} s: " + ", ".join(f"{k} {v:.1f}" for k, v in
-                                                                     res.seconds.items() if k != "total") + ")")
+        _print_plan(args, planner, res, lt, ranked, chosen, ref_row)
     if args.measure:
-        from k3train.planning.host_busy import IDLE_OTHERS_CORES
-
-        done = [r for r in res.rows if r.measured_step_s is not None]
-        errs = sorted(abs(r.pred.step_s - r.measured_step_s) / r.measured_step_s for r in done)
-        out = sys.stderr if args.json else sys.stdout
-        print(f"{'layout':<40} {'predicted s':>11} {'measured s':>11} {'err':>7}   optimizer s: predicted / "
-              f"measured (rank 0; its fwd+bwd, grad norm; predicted host work)", file=out)
-        for r in sorted(done, key=lambda r: r.pred.step_s):
-            e = (r.pred.step_s - r.measured_step_s) / r.measured_step_s
-            m = {k: r.measured.get(k, float("nan")) for k in ("time_optimizer_s", "time_forward_backward_s",
-                                                                 "time_grad_norm_s")}
-            ph = (f"   {r.pred.optimizer:.3f} / {m['time_optimizer_s']:.3f} "
-                  f"({m['time_forward_backward_s']:.3f}, {m['time_grad_norm_s']:.3f}; {r.pred.host:.3f})")
-            busy = r.measured.get("others_cores", 0.0) > IDLE_OTHERS_CORES
-            print(f"{r.layout.short():<40} {r.pred.step_s:11.4f} {r.measured_step_s:11.4f} {100 * e:+6.1f}%{ph}"
-                  + (f"   BUSY: other processes used {r.measured['others_cores']:.2f} cores" if busy else ""),
-                  file=out)
-        rho = spearman([r.pred.step_s for r in done], [r.measured_step_s for r in done])
-        med = errs[len(errs) // 2]
-        print(f"median |error| {100 * med:.1f}%, worst {100 * errs[-1]:.1f}%, Spearman {rho:.3f} "
-              f"over {len(done)} layouts", file=out)
-        if med > DOCUMENTED_MEDIAN_ERROR or (len(done) > 2 and rho < DOCUMENTED_SPEARMAN):
-            print(f"OVER THE DOCUMENTED ACCURACY (median |error| <= {100 * DOCUMENTED_MEDIAN_ERROR:.0f}%, Spearman >= "
-                  f"{DOCUMENTED_SPEARMAN}): the predicted step times above are not to be trusted on this host as "
-                  f"they stand (was the machine idle? {_load_line()})", file=out)
-        n_busy = sum(r.measured.get("others_cores", 0.0) > IDLE_OTHERS_CORES for r in done)
-        if n_busy:
-            print(f"{n_busy} of {len(done)} measured runs had other processes using over {IDLE_OTHERS_CORES} cores "
-                  f"(BUSY above): their measured times, and so the errors, are not this host's", file=out)
+        _print_measured(args, res)
     return 0
+
+
+def _checked(args: argparse.Namespace, overrides: list[str]) -> list[str]:
+    """The command line and the base config checked before any work (ConfigError); the reference's overrides."""
+    if args.world_size < 1:
+        raise ConfigError(f"--world-size: must be >= 1, got {args.world_size}")
+    for k, v in (("--top", args.top), ("--measure", args.measure), ("--steps", args.steps - 1)):
+        if v < (1 if k != "--measure" else 0):
+            raise ConfigError(f"{k}: out of range")
+    if args.ep_skew < 1:
+        raise ConfigError(f"--ep-skew: must be >= 1 (max load / mean load), got {args.ep_skew}")
+    check_modelled(load_config(args.config, overrides))  # the base config itself (keys, types) before any work
+    ref_over = args.reference.split() if args.reference else []
+    if ref_over:
+        load_config(args.config, overrides + ref_over, world_size=args.world_size)
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401  # lazy: matplotlib is optional (only --plot needs it)
+        except ImportError:
+            raise ConfigError("--plot needs matplotlib (.venv/bin/pip install matplotlib)") from None
+    return ref_over
+
+
+def _plan(args: argparse.Namespace, overrides: list[str], log: Any) -> dict[str, Any]:
+    """Enumerate, calibrate (cpu) and plan: the planner, its result, the device and layer timings, and what
+    :func:`_keep_calibration` needs."""
+    # lazy: torch is not loaded before the command line and the config are checked (bad input: one line, fast)
+    from k3train.planning.calibration.devices import get_device
+    from k3train.planning.calibration.host import cache_path  # lazy: as above
+    from k3train.planning.calibration.host_busy import OthersCpu  # lazy: as above
+    from k3train.planning.calibration.layer_times import LayerTimes  # lazy: as above
+    from k3train.planning.search.layouts import enumerate_layouts  # lazy: as above
+    from k3train.planning.search.planner import Planner  # lazy: as above
+
+    t_enum = time.perf_counter()
+    pairs = enumerate_layouts(args.config, overrides, args.world_size)
+    t_enum = time.perf_counter() - t_enum
+    if not pairs[0]:
+        raise ConfigError(f"no valid layout of {args.config} for world size {args.world_size} (with the "
+                          f"dimensions pinned on the command line: {' '.join(overrides) or 'none'})")
+
+    if args.device.lower() != "cpu" and args.measure:
+        raise ConfigError(f"--measure runs on this machine: it needs --device cpu, not {args.device}")
+    cal_file = cache_path(args.calibration)
+    cal_before = cal_file.read_bytes() if args.device.lower() == "cpu" and cal_file.exists() else None
+    others = OthersCpu()  # a calibration taken beside other work is discarded (_keep_calibration)
+    dev = get_device(args.device, args.world_size, args.device_field, args.calibration, log)
+
+    lt = (LayerTimes(cache_path(args.calibration), dev.threads, log, config=args.config, overrides=overrides)
+          if dev.is_cpu else None)
+    if lt is not None:
+        # how ranks slow each other down, measured on copies of this config's real one-process trainer (the
+        # device-level small-op curve, and even the bare model's forward + backward, miss what a trainer step
+        # shares the cores with: its loader, optimizer, bookkeeping and working set)
+        curve = lt.concurrency(load_config(args.config, overrides), max(2, args.world_size) * dev.threads)
+        dev = dataclasses.replace(dev, calibration={**dev.calibration, "concurrency": curve,
+                                                    "concurrency_workload": "this config's trainer"})
+    planner = Planner(args.config, overrides, args.world_size, dev, top=max(args.top, args.measure),
+                      skew=args.ep_skew, exhaustive=args.exhaustive, layer_times=lt,
+                      trace_budget_s=args.trace_budget_s or math.inf, sim_budget_s=args.sim_budget_s,
+                      time_budget_s=args.time_budget_s, log=log,
+                      pairs=pairs)
+    planner.enum_s = t_enum
+    res = planner.run()
+    return {"planner": planner, "res": res, "dev": dev, "lt": lt, "cal_file": cal_file, "cal_before": cal_before,
+            "others": others}
+
+
+def _place_reference(args: argparse.Namespace, overrides: list[str], ref_over: list[str], planner: Any,
+                     res: Any) -> Any:
+    """The ``--reference`` layout's row, predicted and traced where the search skipped it (None: no reference, or
+    not a layout of the space)."""
+    if not ref_over:
+        return None
+    from k3train.planning.search.layouts import canonical  # lazy: torch is not loaded before the config is checked
+
+    ref_lay = canonical(load_config(args.config, overrides + ref_over, world_size=args.world_size))
+    ref_row = next((r for r in res.rows if r.layout == ref_lay), None)
+    if ref_row is not None and ref_row.pred is None:
+        ref_row.skipped = ""
+        ref_row.pred = _predict_one(planner, ref_row, res)
+    if ref_row is not None and ref_row.peak_bytes is None and ref_row.fits is not False:
+        planner.trace(ref_row)
+    return ref_row  # a fitting reference competes like any traced layout
+
+
+def _measure_picks(args: argparse.Namespace, planner: Any, res: Any) -> list[Any]:
+    """What ``--measure`` runs: the fastest fitting layouts with distinct cores, and a few of the slowest."""
+    from k3train.planning.search.select import distinct_top, slowest_fitting  # lazy: torch (after the config check)
+
+    bottom = slowest_fitting(planner, res, args.bottom, _predict_one)
+    top = distinct_top(planner, res, args.measure, _predict_one)
+    return top + [r for r in bottom if r not in top]
+
+
+def _measure(args: argparse.Namespace, overrides: list[str], picks: list[Any], dev: Any, log: Any) -> None:
+    """Each pick's real step on this host (``--steps`` steps under torchrun), and how busy the host was meanwhile."""
+    from k3train.planning.calibration.host_busy import OthersCpu  # lazy: torch (after the config check)
+    from k3train.planning.calibration.measure_step import measure_step  # lazy: torch (after the config check)
+
+    for r in picks:
+        log(f"measuring {r.layout.short()} ({args.steps} steps) ...")
+        run_others = OthersCpu()
+        r.measured = measure_step(args.config, overrides + r.layout.overrides(), args.world_size, args.steps,
+                                  dev.threads)
+        r.measured["others_cores"] = run_others.cores()
+
+
+def _print_plan(args: argparse.Namespace, planner: Any, res: Any, lt: Any, ranked: list[Any], chosen: Any,
+                ref_row: Any) -> None:
+    """The plan as text: the device, the anchor, the notes, the ranking (or the fastest if nothing fits), the
+    reference's place, the chosen layout and the seconds each phase took."""
+    from k3train.planning.search.report import format_table  # lazy: torch (after the config check)
+
+    print(res.device.describe())
+    anchor = lt.anchor(res.base_cfg) if lt is not None else None
+    if anchor is not None:
+        print(anchor.describe())
+    for n in res.notes:
+        print("note:", n)
+    show = ranked[:args.top]
+    if show:
+        print(format_table(res, show))
+    else:  # nothing fits: still show what is fastest, and how far from fitting
+        fast = sorted((r for r in res.rows if r.pred is not None), key=lambda r: r.pred.step_s)[:args.top]
+        print(f"NO layout fits {res.device.hbm_bytes / 2**30:.1f} GiB; the fastest predicted ones (peak '-' = "
+              f"not traced; memory lower bound {_lb(fast)}):")
+        print(format_table(res, fast))
+    if ref_row is not None:
+        place = (ranked.index(ref_row) + 1) if ref_row in ranked else None
+        sims = sorted(r.pred.step_s for r in res.rows if r.pred is not None)
+        by_time = (sum(1 for x in sims if x < ref_row.pred.step_s) + 1) if ref_row.pred else None
+        print(f"reference {ref_row.layout.short()}: " + (f"rank {place} of {len(ranked)} fitting" if place else
+              f"fits={ref_row.fits}") + (f", predicted {ref_row.pred.step_s:.4g} s (place {by_time} of "
+                                         f"{len(sims)} simulated by predicted time)" if ref_row.pred else ""))
+        if ref_row not in show and ref_row.pred is not None and ref_row.peak_bytes is not None:
+            print(format_table(res, [ref_row]).splitlines()[1])
+        if ref_row.pred is not None:
+            print(f"  {exposed_line(_predict_one(planner, ref_row, res, split_p2p=True))}")
+    if chosen is not None:
+        print(f"chosen: {chosen.layout.short()}  ({' '.join(chosen.layout.overrides())})")
+        print(f"  {exposed_line(chosen.pred)}")
+    print(f"(planned in {res.seconds['total']:.1f} s: " + ", ".join(f"{k} {v:.1f}" for k, v in
+                                                                 res.seconds.items() if k != "total") + ")")
+
+
+def _print_measured(args: argparse.Namespace, res: Any) -> None:
+    """``--measure``: predicted beside measured per layout, the median error and the rank correlation, and whether
+    they are within the documented accuracy (and the host was idle)."""
+    from k3train.planning.calibration.host_busy import IDLE_OTHERS_CORES  # lazy: torch (after the config check)
+    from k3train.planning.calibration.measure_step import spearman  # lazy: torch (after the config check)
+
+    done = [r for r in res.rows if r.measured_step_s is not None]
+    errs = sorted(abs(r.pred.step_s - r.measured_step_s) / r.measured_step_s for r in done)
+    out = sys.stderr if args.json else sys.stdout
+    print(f"{'layout':<40} {'predicted s':>11} {'measured s':>11} {'err':>7}   optimizer s: predicted / "
+          f"measured (rank 0; its fwd+bwd, grad norm; predicted host work)", file=out)
+    for r in sorted(done, key=lambda r: r.pred.step_s):
+        e = (r.pred.step_s - r.measured_step_s) / r.measured_step_s
+        m = {k: r.measured.get(k, float("nan")) for k in ("time_optimizer_s", "time_forward_backward_s",
+                                                             "time_grad_norm_s")}
+        ph = (f"   {r.pred.optimizer:.3f} / {m['time_optimizer_s']:.3f} "
+              f"({m['time_forward_backward_s']:.3f}, {m['time_grad_norm_s']:.3f}; {r.pred.host:.3f})")
+        busy = r.measured.get("others_cores", 0.0) > IDLE_OTHERS_CORES
+        print(f"{r.layout.short():<40} {r.pred.step_s:11.4f} {r.measured_step_s:11.4f} {100 * e:+6.1f}%{ph}"
+              + (f"   BUSY: other processes used {r.measured['others_cores']:.2f} cores" if busy else ""),
+              file=out)
+    rho = spearman([r.pred.step_s for r in done], [r.measured_step_s for r in done])
+    med = errs[len(errs) // 2]
+    print(f"median |error| {100 * med:.1f}%, worst {100 * errs[-1]:.1f}%, Spearman {rho:.3f} "
+          f"over {len(done)} layouts", file=out)
+    if med > DOCUMENTED_MEDIAN_ERROR or (len(done) > 2 and rho < DOCUMENTED_SPEARMAN):
+        print(f"OVER THE DOCUMENTED ACCURACY (median |error| <= {100 * DOCUMENTED_MEDIAN_ERROR:.0f}%, Spearman >= "
+              f"{DOCUMENTED_SPEARMAN}): the predicted step times above are not to be trusted on this host as "
+              f"they stand (was the machine idle? {_load_line()})", file=out)
+    n_busy = sum(r.measured.get("others_cores", 0.0) > IDLE_OTHERS_CORES for r in done)
+    if n_busy:
+        print(f"{n_busy} of {len(done)} measured runs had other processes using over {IDLE_OTHERS_CORES} cores "
+              f"(BUSY above): their measured times, and so the errors, are not this host's", file=out)
 
 
 def _keep_calibration(path: Path, before: bytes | None, others, lt) -> str | None:  # noqa: ANN001
     """After the plan (and the predictions of ``--measure``'s picks): if this run calibrated anything (the cache
     file changed) while other processes used over ``IDLE_OTHERS_CORES`` cores, put the file back as it was (the
     next plan measures again) and say so; else record the run's conditions in the file. None: nothing calibrated."""
-    import time
-
-    from k3train.planning.devices import host_key, load_cache, save_cache
-    from k3train.planning.host_busy import IDLE_OTHERS_CORES
+    from k3train.planning.calibration.host import host_key, load_cache, save_cache  # lazy: torch (after the check)
+    from k3train.planning.calibration.host_busy import IDLE_OTHERS_CORES  # lazy: torch (after the config check)
 
     if lt is not None:
         lt.save()
@@ -265,15 +317,15 @@ DOCUMENTED_SPEARMAN = 0.8
 
 
 def _load_line() -> str:
-    import os
-
     one, five, _ = os.getloadavg()
     return f"load average {one:.2f} / {five:.2f} over 1 / 5 min on {os.cpu_count()} cores"
 
 
 def _predict_one(planner, row, res, split_p2p=False):  # noqa: ANN001, ANN202
-    from k3train.planning.layouts import Validator
-    from k3train.planning.step_time import ParamFacts, pairs_actions, predict
+    from k3train.planning.programs import pairs_actions  # lazy: torch is not loaded before the config is checked
+    from k3train.planning.search.layouts import Validator  # lazy: as above
+    from k3train.planning.step_time.facts import ParamFacts  # lazy: as above
+    from k3train.planning.step_time.predict import predict  # lazy: as above
 
     facts = ParamFacts.build(res.base_cfg)
     part = Validator(res.base_cfg, res.world).partition(row.cfg)
@@ -304,7 +356,7 @@ def _lb(rows) -> str:  # noqa: ANN001
 
 
 def _dev_json(dev) -> dict:  # noqa: ANN001
-    from k3train.planning.devices import device_json
+    from k3train.planning.calibration.devices import device_json  # lazy: torch (after the config check)
 
     return device_json(dev)
 

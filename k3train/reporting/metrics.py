@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from k3train.reporting.device_peaks import published_bf16_peak
+
 log = logging.getLogger(__name__)
 
 
@@ -56,7 +58,7 @@ def _device_key(device: torch.device) -> str:
 
 def resolve_peak_flops(configured: float, device: torch.device) -> tuple[float, str]:
     """The MFU denominator (FLOP/s per rank) and where it came from: ``logging.peak_flops`` when set, on a GPU
-    named in ``k3train.planning.devices.CUDA_BF16_PEAKS`` (H100 / H200 / B200) its published dense bf16 peak, else
+    named in ``k3train.reporting.device_peaks.CUDA_BF16_PEAKS`` (H100 / H200 / B200) its published dense bf16 peak, else
     the BEST of every measurement (:func:`measure_peak_flops`, 0.3 s per start) on this host and device kind, kept
     in :func:`peak_flops_cache_path`. A peak is a maximum: a measurement taken while other work shares the cores
     comes out low (a run started beside a test suite once cached a fifth of the idle figure and every later run
@@ -65,8 +67,6 @@ def resolve_peak_flops(configured: float, device: torch.device) -> tuple[float, 
     if configured:
         return configured, "logging.peak_flops"
     if device.type == "cuda":  # a known GPU: its published dense bf16 peak, as MFU is quoted in the field
-        from k3train.planning.devices import published_bf16_peak
-
         name = torch.cuda.get_device_name(device)
         found = published_bf16_peak(name)
         if found is not None:

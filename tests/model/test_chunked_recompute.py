@@ -12,7 +12,7 @@ from model_variants import VARIANTS
 
 from k3train.model.model import K3Model
 from k3train.model.seq import SeqInfo
-from k3train.planning.live_bytes import LiveBytes
+from k3train.planning.fakerun.live_bytes import LiveBytes
 
 torch.set_num_threads(1)
 F64 = torch.float64

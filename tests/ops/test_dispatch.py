@@ -191,7 +191,7 @@ def test_flex_fp32_tiles_fit_a_hopper_sm_and_training_dtypes_keep_inductors_choi
 
 
 def test_published_bf16_peaks_by_cuda_device_name():
-    from k3train.planning.devices import published_bf16_peak
+    from k3train.reporting.device_peaks import published_bf16_peak
 
     assert published_bf16_peak("NVIDIA H200") == ("h200", 989e12)
     assert published_bf16_peak("NVIDIA H100 80GB HBM3") == ("h100", 989e12)

@@ -15,8 +15,8 @@ from k3train.config import ConfigError, load_config
 from k3train.model.mla import MLA, MaskInfo, attention_core, masked_logit_max
 from k3train.model.seq import SeqInfo
 from k3train.ops.mla_blockwise import _work, block_plan, blockwise_mla_attention, skipped_share
-from k3train.planning.known_data import KnownData
-from k3train.planning.live_bytes import LiveBytes
+from k3train.planning.fakerun.known_data import KnownData
+from k3train.planning.fakerun.live_bytes import LiveBytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "model"))
 from helpers import tiny_cfg  # noqa: E402

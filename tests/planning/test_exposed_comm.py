@@ -1,4 +1,4 @@
-"""k3train/planning/step_time.py's exposed communication by kind: the kinds add up to the prediction's exposed
+"""k3train/planning/step_time/'s exposed communication by kind: the kinds add up to the prediction's exposed
 communication, each collective lands in its own kind (EP all-to-all only with ep > 1, KCP and MLA-CP only with
 cp > 1, ZeRO's parameter gather only with ZeRO), and the pipeline's point-to-point share is what free messages
 would take off the pipeline."""
@@ -15,10 +15,11 @@ TINY = str(ROOT / "configs" / "tiny.yaml")
 
 def _predict(world: int, pins: list[str], **dev_fields):  # noqa: ANN003, ANN202
     from k3train.config import load_config
-    from k3train.planning.devices import PUBLISHED
-    from k3train.planning.layouts import Validator, canonical
-    from k3train.planning.plan import Planner
-    from k3train.planning.step_time import ParamFacts, predict
+    from k3train.planning.calibration.devices import PUBLISHED
+    from k3train.planning.search.layouts import Validator, canonical
+    from k3train.planning.search.planner import Planner
+    from k3train.planning.step_time.facts import ParamFacts
+    from k3train.planning.step_time.predict import predict
 
     dev = dataclasses.replace(PUBLISHED["h100"], **dev_fields)
     cfg = load_config(TINY, pins + ["--train.global_batch_size=32"], world_size=world)
@@ -54,7 +55,7 @@ def test_exposed_kinds_add_up_and_land_in_their_kind(pins, present, absent):
 
 
 def test_side_timeline_overlaps_transfers_with_compute_and_shares_the_link():
-    from k3train.planning.step_time import side_timeline
+    from k3train.planning.step_time.overlap import side_timeline
 
     # a transfer started before 1 s of compute has 2 of its 3 link-seconds left to wait for
     ph, by = side_timeline([("c", 1.0), ("start", "a", "x", 3.0), ("c", 1.0), ("wait", "a"), ("c", 0.5)])
@@ -75,7 +76,7 @@ def test_expert_backward_hides_what_the_dispatcher_overlaps(moonep):
     ``parallel.expert_wgrad_split`` the input gradients' all-to-all travels while the own experts' weight
     gradients are computed (half their backward), without it after all of it; MoonEP's reduce-back and the next
     backward's prefetch behind the compute that follows them."""
-    from k3train.planning.step_time import layer_ops, side_timeline
+    from k3train.planning.step_time.overlap import layer_ops, side_timeline
 
     a2a, rp = 4.0, (3.0 if moonep else 0.0)
     sent = {"ep_all_to_all": (a2a, a2a), "moonep_replicas": (rp, rp), "kcp": (0.25, 0.5)}
@@ -102,9 +103,9 @@ def test_expert_wgrad_split_shortens_the_predicted_step():
     """Unpaired at pp 1 (plain EP, no replica traffic), the EP kind of the prediction falls with the split by the
     micro-batches x the per-layer backward waits it removes, and the step with it."""
     from k3train.config import load_config
-    from k3train.planning.devices import PUBLISHED
-    from k3train.planning.layouts import canonical
-    from k3train.planning.step_time import _layer_terms
+    from k3train.planning.calibration.devices import PUBLISHED
+    from k3train.planning.search.layouts import canonical
+    from k3train.planning.step_time.costs import layer_terms
 
     pins = ["--parallel.pp=1", "--parallel.dp=4", "--parallel.cp=1", "--parallel.ep=4", "--parallel.zero=0",
             "--parallel.moonep=false", "--parallel.overlap_ep=false"]
@@ -114,7 +115,7 @@ def test_expert_wgrad_split_shortens_the_predicted_step():
         p = pins + [f"--parallel.expert_wgrad_split={str(split).lower()}"]
         preds[split] = _predict(4, p, **fields)
         cfg = load_config(TINY, p + ["--train.global_batch_size=32"], world_size=4)
-        terms[split] = _layer_terms(cfg, dataclasses.replace(PUBLISHED["h100"], **fields), canonical(cfg), None, 1.5)
+        terms[split] = layer_terms(cfg, dataclasses.replace(PUBLISHED["h100"], **fields), canonical(cfg), None, 1.5)
         M = cfg.train.grad_accum_steps
     off, on = ([k.get("ep_all_to_all", (0.0, 0.0))[1] for k in terms[s][2]] for s in (False, True))
     sent = [k.get("ep_all_to_all", (0.0, 0.0))[1] for k in terms[True][3]]
@@ -128,7 +129,7 @@ def test_expert_wgrad_split_shortens_the_predicted_step():
 def test_in_line_timeline_charges_every_transfer():
     """On a host whose ranks share its cores (``Device.shares_cores``) the planner overlaps nothing: every
     transfer is waited for where it starts, so a layer's blocked seconds are all it sends."""
-    from k3train.planning.step_time import layer_ops, side_timeline
+    from k3train.planning.step_time.overlap import layer_ops, side_timeline
 
     sent = {"ep_all_to_all": (4.0, 4.0), "moonep_replicas": (3.0, 3.5), "kcp": (0.25, 0.5)}
     for d, i in (("f", 0), ("b", 1)):

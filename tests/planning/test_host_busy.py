@@ -8,8 +8,8 @@ import subprocess
 import sys
 import time
 
-from k3train.planning.devices import host_key
-from k3train.planning.host_busy import IDLE_OTHERS_CORES, OthersCpu, own_cpu_seconds
+from k3train.planning.calibration.host import host_key
+from k3train.planning.calibration.host_busy import IDLE_OTHERS_CORES, OthersCpu, own_cpu_seconds
 from tools.plan import _keep_calibration
 
 

@@ -7,8 +7,8 @@ import gc
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from k3train.planning.known_data import KnownData, balanced_topk_indices
-from k3train.planning.live_bytes import LiveBytes
+from k3train.planning.fakerun.known_data import KnownData, balanced_topk_indices
+from k3train.planning.fakerun.live_bytes import LiveBytes
 
 
 def test_live_bytes_real_alloc_free_and_views():

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from k3train.planning.memory import ChunkTrace, paired_programs, walk_schedule
+from k3train.planning.memory.results import ChunkTrace
+from k3train.planning.memory.walk import walk_schedule
+from k3train.planning.programs import paired_programs
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -182,7 +182,8 @@ def test_vision_first_stage_traces_the_encoder():
 
     from k3train.config import load_config
     from k3train.model.vit_tower import VisionTower
-    from k3train.planning.memory import estimate, worst_case_grids
+    from k3train.planning.memory.estimate import estimate
+    from k3train.planning.memory.media import worst_case_grids
 
     base = ["--train.seq_len=64", "--train.global_batch_size=2", "--data.path=/nonexistent"]  # M = 1
     vl = load_config(VL, base, world_size=1)

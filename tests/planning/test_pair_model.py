@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from k3train.planning.step_time import ActionCosts, pair_seconds, pair_side_ends, simulate_programs
+from k3train.planning.step_time.costs import ActionCosts
+from k3train.planning.step_time.pairing import pair_seconds, pair_side_ends
+from k3train.planning.step_time.simulate import simulate_programs
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -89,10 +91,11 @@ def test_paired_schedule_gives_each_pair_slack(kind, pp, vpp, m):
 
 def _predict(pins: list[str]):  # noqa: ANN202
     from k3train.config import load_config
-    from k3train.planning.devices import PUBLISHED
-    from k3train.planning.layouts import Validator, canonical
-    from k3train.planning.plan import Planner
-    from k3train.planning.step_time import ParamFacts, predict
+    from k3train.planning.calibration.devices import PUBLISHED
+    from k3train.planning.search.layouts import Validator, canonical
+    from k3train.planning.search.planner import Planner
+    from k3train.planning.step_time.facts import ParamFacts
+    from k3train.planning.step_time.predict import predict
 
     # compute and expert all-to-all of comparable length (a slow device, slow links)
     dev = dataclasses.replace(PUBLISHED["h100"], peak_flops=2e10, nvlink_bw=1e9, internode_bw=1e9)
@@ -134,10 +137,13 @@ def test_step_time_lower_bound_is_below_every_prediction(slow):
     bound must never exceed the layout's own prediction: over a spread of world-4 layouts (pp 1-4, interleaved
     and 1F1B, cp, ep, MoonEP, recompute, paired and not), on a device where compute dominates and on one where
     the expert all-to-all is as long as compute (the paired bound's comm term binds)."""
-    from k3train.planning.devices import PUBLISHED
-    from k3train.planning.layouts import Validator, enumerate_layouts
-    from k3train.planning.plan import Planner
-    from k3train.planning.step_time import ParamFacts, compute_lower_bound, pairs_actions, predict
+    from k3train.planning.calibration.devices import PUBLISHED
+    from k3train.planning.search.layouts import Validator, enumerate_layouts
+    from k3train.planning.search.planner import Planner
+    from k3train.planning.programs import pairs_actions
+    from k3train.planning.search.time_bound import compute_lower_bound
+    from k3train.planning.step_time.facts import ParamFacts
+    from k3train.planning.step_time.predict import predict
 
     dev = PUBLISHED["h100"]
     if slow:

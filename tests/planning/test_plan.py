@@ -1,4 +1,4 @@
-"""tools/plan.py and k3train/planning/{layouts,step_time,plan}.py: the enumeration against a brute force and the
+"""tools/plan.py and k3train/planning/{search,step_time}/: the enumeration against a brute force and the
 real validation, memory filtering against estimate(), one prediction against a real torchrun run, bad input."""
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def _env() -> dict[str, str]:
 
 def test_enumeration_is_exactly_the_valid_layouts():
     from k3train.config import load_config
-    from k3train.planning.layouts import Validator, canonical, enumerate_layouts
+    from k3train.planning.search.layouts import Validator, canonical, enumerate_layouts
     from k3train.preflight import validate_run
 
     W = 2
@@ -71,9 +71,10 @@ PIN = ["--parallel.pp=1", "--parallel.dp=2", "--parallel.ep=1", "--parallel.zero
 
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory):
-    from k3train.planning.devices import get_device
-    from k3train.planning.layer_bench import LayerTimes
-    from k3train.planning.plan import EstimateCache, Planner
+    from k3train.planning.calibration.devices import get_device
+    from k3train.planning.calibration.layer_times import LayerTimes
+    from k3train.planning.memory.cache import EstimateCache
+    from k3train.planning.search.planner import Planner
 
     cal = tmp_path_factory.mktemp("cal") / "cpu.json"
     dev = get_device("cpu", 2, [], str(cal), log=lambda *a: None)
@@ -86,7 +87,8 @@ def planned(tmp_path_factory):
 def test_memory_filter_matches_estimate(planned):
     from dataclasses import replace
 
-    from k3train.planning.plan import EstimateCache, Planner
+    from k3train.planning.memory.cache import EstimateCache
+    from k3train.planning.search.planner import Planner
 
     dev, lt, cache, res = planned
     (row,) = res.rows
@@ -117,7 +119,7 @@ def test_memory_filter_matches_estimate(planned):
 
 
 def test_predicted_step_time_near_measured(planned):
-    from k3train.planning.plan import measure_step
+    from k3train.planning.calibration.measure_step import measure_step
 
     dev, _, _, res = planned
     (row,) = res.rows
@@ -131,10 +133,11 @@ def test_predicted_step_time_near_measured(planned):
 def test_trainer_anchor_enters_every_prediction(planned):
     """The trainer anchor (one real one-process run of the config at its micro-batch, one micro-batch per step)
     decomposes into the planner's terms, and those terms are what the prediction adds and scales."""
-    from k3train.planning.layer_bench import LayerTimes, anchor_overrides
-    from k3train.planning.layouts import Validator
-    from k3train.planning.plan import Planner
-    from k3train.planning.step_time import ParamFacts, predict
+    from k3train.planning.calibration.layer_times import LayerTimes, anchor_overrides
+    from k3train.planning.search.layouts import Validator
+    from k3train.planning.search.planner import Planner
+    from k3train.planning.step_time.facts import ParamFacts
+    from k3train.planning.step_time.predict import predict
 
     dev, lt, _, res = planned
     a = lt.anchor(res.base_cfg)
@@ -175,7 +178,8 @@ def test_program_simulation_matches_the_schedule_simulator():
     # parallel.pipeline.schedules.simulate (the bubble comes from the schedule itself)
     from parallel.pipeline.p2p import build_programs
     from parallel.pipeline.schedules import build_schedule, simulate
-    from k3train.planning.step_time import ActionCosts, simulate_programs
+    from k3train.planning.step_time.costs import ActionCosts
+    from k3train.planning.step_time.simulate import simulate_programs
 
     for sched, pp, vpp, M in (("1f1b", 4, 1, 8), ("interleaved", 4, 2, 8), ("afab", 2, 2, 4)):
         s = build_schedule(sched, pp, vpp, M)
@@ -184,7 +188,7 @@ def test_program_simulation_matches_the_schedule_simulator():
         out = simulate_programs(build_programs(s, pp, vpp), pp, vpp, costs, 1)
         assert out.makespan == pytest.approx(simulate(s, pp, vpp, 1.0, 2.0).makespan)
     # no pipeline: two data-parallel replicas sharing one core run at half speed
-    from k3train.planning.step_time import single_program
+    from k3train.planning.programs import single_program
 
     one = ActionCosts(f=[1.0], b=[2.0], f_comm=[0.0], b_comm=[0.0], msg_s={})
     one_core = lambda n: min(1.0, 1 / n)  # noqa: E731 - processor sharing of one core
@@ -209,8 +213,8 @@ def test_program_simulation_matches_the_schedule_simulator():
 def test_trainer_concurrency_curve_is_a_speed_per_copy_count():
     """The planner's concurrency calibration runs copies of the real one-process trainer in lock-step: one
     copy alone is speed 1, two copies on this host are no faster, the curve is monotone."""
-    from k3train.planning.anchor import concurrency_curve
-    from k3train.planning.layer_bench import anchor_overrides
+    from k3train.planning.calibration.anchor_run import concurrency_curve
+    from k3train.planning.calibration.layer_times import anchor_overrides
 
     over = anchor_overrides([f"--data.path={shipped_view('corpus_text_document')}"], 2)
     curve = concurrency_curve(TINY, over, procs=2, threads=1, rounds=1, steps=1)
@@ -241,14 +245,15 @@ def test_bad_input_is_one_line_exit_2(args, how, capsys):
 
 
 def test_too_big_marks_what_holds_more_and_descends_depth_first():
-    """``Planner._too_big_follow_ups`` (no trace): after a layout is traced too big, every layout of its family
+    """``descend.too_big_follow_ups`` (no trace): after a layout is traced too big, every layout of its family
     holding at least as much per rank is marked too big -- with recompute also the family that keeps its
     activations -- and its neighbours with less memory are queued first, recompute twin first."""
     from collections import deque
     from dataclasses import replace
 
-    from k3train.planning.layouts import Layout
-    from k3train.planning.plan import Planner, Row, _family
+    from k3train.planning.search.descend import family_key, too_big_follow_ups
+    from k3train.planning.search.layouts import Layout
+    from k3train.planning.search.rows import Row
 
     base = Layout(pp=2, vpp=1, dp=4, cp=1, ep=2, moonep=False, zero=1, mbs=2, recompute=False, schedule="1f1b")
     lays = {base, replace(base, zero=0), replace(base, zero=2), replace(base, mbs=4), replace(base, mbs=1),
@@ -257,13 +262,13 @@ def test_too_big_marks_what_holds_more_and_descends_depth_first():
     rows = {lay: Row(layout=lay) for lay in lays}
     families: dict = {}
     for r in rows.values():
-        families.setdefault(_family(r.layout), []).append(r)
+        families.setdefault(family_key(r.layout), []).append(r)
 
     def follow(lay):  # noqa: ANN001, ANN202
         seen, urgent = {lay}, deque()
         for r in rows.values():
             r.fits, r.skipped = None, ""
-        Planner._too_big_follow_ups(rows[lay], rows, seen, urgent, families)
+        too_big_follow_ups(rows[lay], rows, seen, urgent, families)
         marked = {r.layout for r in rows.values() if r.skipped.startswith("needs more memory")}
         return marked, [r.layout for r in urgent]
 
@@ -281,7 +286,7 @@ def test_forwards_before_first_backward_is_the_schedule_prefix():
     """The static memory bound's forwards in flight (built without the whole schedule) are the prefix of every
     rank's action list up to its first backward, then that backward's chunk."""
     from k3train.config import ConfigError
-    from k3train.planning.step_time import forwards_before_first_backward
+    from k3train.planning.programs import forwards_before_first_backward
     from parallel.pipeline.schedules import build_schedule, check_schedule
 
     n = 0
@@ -304,9 +309,10 @@ def test_measured_set_is_the_fastest_by_prediction():
     """``--measure`` picks the k fastest fitting layouts BY PREDICTION: a row not simulated yet enters at its
     step-time lower bound, is predicted when it reaches the front and re-enters there, so rows whose bounds are
     low but predictions high never push out the chosen layout (2026-12-04: 8 such rows took every pick)."""
-    from k3train.planning.layouts import Layout
-    from k3train.planning.plan import PlanResult, Row, distinct_top
-    from k3train.planning.step_time import Prediction
+    from k3train.planning.search.layouts import Layout
+    from k3train.planning.search.rows import PlanResult, Row
+    from k3train.planning.search.select import distinct_top
+    from k3train.planning.step_time.predict import Prediction
 
     def lay(pp: int, dp: int, mbs: int) -> Layout:
         return Layout(pp=pp, vpp=1, dp=dp, cp=1, ep=1, moonep=False, zero=1, mbs=mbs, recompute=False,
@@ -331,7 +337,7 @@ def test_measured_set_is_the_fastest_by_prediction():
 def _h100(**kw):  # noqa: ANN003, ANN202 - a published device: predictions without a calibration
     from dataclasses import replace
 
-    from k3train.planning.devices import PUBLISHED
+    from k3train.planning.calibration.devices import PUBLISHED
 
     return replace(PUBLISHED["h100"], **kw)
 
@@ -344,7 +350,8 @@ def test_best_first_ranks_what_tracing_everything_ranks():
     traced too big -- and the rows it traced came off the queue in predicted order."""
     import re
 
-    from k3train.planning.plan import EstimateCache, Planner
+    from k3train.planning.memory.cache import EstimateCache
+    from k3train.planning.search.planner import Planner
 
     pins = ["--parallel.moonep=false", "--parallel.zero=1", "--parallel.ep=1", "--parallel.vpp=1",
             "--parallel.recompute=false", "--parallel.pp=2", "--parallel.schedule=1f1b",  # 4 micro-batch sizes
@@ -377,18 +384,23 @@ def test_best_first_ranks_what_tracing_everything_ranks():
 @pytest.mark.parametrize("recompute,mbs,pp", [(True, 1, 1), (False, 1, 1), (True, 2, 1), (True, 1, 2)])
 def test_static_bound_counts_the_traced_ffn_bytes(monkeypatch, recompute, mbs, pp):
     """Under sublayer recomputation (or none) the static memory bound counts what each FFN sublayer's traced piece
-    keeps (``memory.ffn_saved_bytes``: under sublayer recomputation the pieces the estimator composes; the same for
+    keeps (``piece_bytes.ffn_saved_bytes``: under sublayer recomputation the pieces the estimator composes; the same for
     every cp) instead of one (two) hidden states: a stronger bound that stays below the estimated peak (tiny over
     cp=2, composed per piece as K3 is). With two rows per micro-batch the pieces of one row (what the planner
     traces for every micro-batch size) still bound it. Over two pipeline stages every forward in flight also
     holds the AttnRes payload it received: counted, still below."""
     from k3train.config import load_config
-    from k3train.planning import memory
-    from k3train.planning.layouts import Validator, canonical
-    from k3train.planning.plan import EstimateCache
-    from k3train.planning.step_time import ParamFacts, forwards_before_first_backward, static_memory_lower_bound
+    from k3train.planning.memory import compose
+    from k3train.planning.memory.cache import EstimateCache
+    from k3train.planning.memory.estimate import estimate
+    from k3train.planning.memory.piece_bytes import end_bytes, ffn_saved_bytes, mixer_bytes
+    from k3train.planning.programs import forwards_before_first_backward
+    from k3train.planning.search import memory_bound
+    from k3train.planning.search.layouts import Validator, canonical
+    from k3train.planning.search.memory_bound import static_memory_lower_bound
+    from k3train.planning.step_time.facts import ParamFacts
 
-    monkeypatch.setattr(memory, "TRACE_BUDGET", 0)  # compose per piece (what 1M-token K3 micro-batches take)
+    monkeypatch.setattr(compose, "TRACE_BUDGET", 0)  # compose per piece (what 1M-token K3 micro-batches take)
     pins = [f"--parallel.recompute={str(recompute).lower()}", "--parallel.recompute_granularity=sublayer",
             "--parallel.cp=2", "--parallel.dp=1", f"--train.micro_batch_size={mbs}",
             f"--train.global_batch_size={2 * mbs}", f"--parallel.pp={pp}",
@@ -399,7 +411,7 @@ def test_static_bound_counts_the_traced_ffn_bytes(monkeypatch, recompute, mbs, p
     cfg = load_config(TINY, pins, world_size=2 * pp)
     L, T = canonical(cfg), 8192
     cache = EstimateCache()
-    ffn = memory.ffn_saved_bytes(cfg, cache.full_model(cfg, 1, cache.fake), cache.fake, cache.pieces, 1, T)
+    ffn = ffn_saved_bytes(cfg, cache.full_model(cfg, 1, cache.fake), cache.fake, cache.pieces, 1, T)
     h = T * cfg.model.hidden_size * 4  # fp32
     assert set(ffn) == {False, True} and all(v >= h for v in ffn.values()), (ffn, h)
     part = Validator(cfg, 2 * pp).partition(cfg)
@@ -407,24 +419,22 @@ def test_static_bound_counts_the_traced_ffn_bytes(monkeypatch, recompute, mbs, p
             "sublayer" if recompute else None,
             forwards_before_first_backward(L.schedule, L.pp, L.vpp, cfg.train.grad_accum_steps))
     old, new = static_memory_lower_bound(*args), static_memory_lower_bound(*args, ffn_saved=ffn)
-    peak = max(r.peak for r in memory.estimate(cfg, 2 * pp, cache).ranks)  # reuses the FFN fits just traced
+    peak = max(r.peak for r in estimate(cfg, 2 * pp, cache).ranks)  # reuses the FFN fits just traced
     assert (old < new if mbs == 1 else old <= new) and new <= peak, (old, new, peak)
     if recompute:  # the token mixers' traced bytes and the first backward's composed peak: closer, still below
         full = cache.full_model(cfg, 1, cache.fake)
-        mix = memory.mixer_bytes(cfg, full, cache.fake, cache.pieces, 1, T)
-        ends = memory.end_bytes(cfg, full, cache.fake, cache.pieces, 1, T)  # the embedding, the head + MTP layer
+        mix = mixer_bytes(cfg, full, cache.fake, cache.pieces, 1, T)
+        ends = end_bytes(cfg, full, cache.fake, cache.pieces, 1, T)  # the embedding, the head + MTP layer
         assert set(mix) == {"kda", "mla"} and all(b >= s > 0 for s, b in mix.values()), mix
         assert set(ends) == {"embed", "head"} and all(b >= s > 0 for s, b in ends.values()), ends
         tight = static_memory_lower_bound(*args, ffn_saved=ffn, mixer=mix, ends=ends)
         assert new < static_memory_lower_bound(*args, ffn_saved=ffn, mixer=mix) < tight <= peak, (new, tight, peak)
         if pp > 1:  # the received payloads are in it: without them the bound is lower
-            from k3train.planning import step_time
-
-            monkeypatch.setattr(step_time, "_recv_blocks", lambda part, mode: [[0] * part.vpp] * part.pp)
+            monkeypatch.setattr(memory_bound, "_recv_blocks", lambda part, mode: [[0] * part.vpp] * part.pp)
             assert static_memory_lower_bound(*args, ffn_saved=ffn, mixer=mix, ends=ends) < tight
         elif mbs == 1:  # the planner bounds without the end pieces first, with them when the layout comes up for
             # a trace: on a device one byte below that bound it is dropped there, without the estimate
-            from k3train.planning.plan import Planner
+            from k3train.planning.search.planner import Planner
 
             pins += ["--parallel.ep=1", "--parallel.moonep=false", f"--parallel.zero={L.zero}", "--parallel.vpp=1"]
             for hbm, dropped in ((tight - 1, True), (tight, False)):
@@ -439,7 +449,8 @@ def test_planner_chooses_pairing_per_layout():
     """F/B pairing (``parallel.overlap_ep``) is a layout dimension where it applies: one layout planned paired and
     unpaired, the paired one holding one more forward in flight; on a device with room for the unpaired peak only,
     the unpaired layout is the one that fits."""
-    from k3train.planning.plan import EstimateCache, Planner
+    from k3train.planning.memory.cache import EstimateCache
+    from k3train.planning.search.planner import Planner
 
     pins = ["--parallel.pp=1", "--parallel.dp=2", "--parallel.cp=1", "--parallel.ep=2", "--parallel.moonep=false",
             "--parallel.zero=1", "--parallel.recompute=false", "--train.micro_batch_size=1",

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from k3train.planning.sim_collectives import SimGroup, run_ranks, simulated_collectives
+from k3train.planning.fakerun.sim_collectives import SimGroup, run_ranks, simulated_collectives
 
 
 def test_thread_ranks_all_gather_real_values_and_lone_rank_shapes():
@@ -71,7 +71,7 @@ def test_moonep_layers_are_timed_through_moonep_and_count_their_p2p():
     """The planner's CPU calibration runs MoonEP layouts through MoonEP's own dispatcher (its host work is in the
     layer times) and records the point-to-point calls it issued per micro-batch; plain EP issues none."""
     from k3train.config import load_config
-    from k3train.planning.layer_bench import bench_layers
+    from k3train.planning.calibration.layer_bench import bench_layers
 
     cfg = load_config("configs/tiny.yaml", ["--model.num_hidden_layers=2", "--model.num_nextn_predict_layers=0"])
     moon = bench_layers(cfg, 1, 32, 4, 1, moonep=True)

@@ -1,10 +1,10 @@
 """Measured peak of live tensor bytes per rank over real training steps (the ``--measure`` of tools/memory.py).
 
-``torchrun --nproc_per_node=N -m k3train.planning.measure --config C --out DIR [--steps K] [--section.key=v ...]``
+``torchrun --nproc_per_node=N -m k3train.planning.calibration.measure_memory --config C --out DIR [--steps K] [--section.key=v ...]``
 
 Each rank builds the real :class:`k3train.trainer.Trainer` and runs ``K`` real optimizer steps (``train_step``:
 loader, pipeline schedule, ZeRO reductions, MoonEP, KCP, all of it) under
-:class:`~k3train.planning.live_bytes.LiveBytes`, which books every tensor storage from the start of the process's
+:class:`~k3train.planning.fakerun.live_bytes.LiveBytes`, which books every tensor storage from the start of the process's
 training code. The peak is taken from step 2 on (optimizer state exists from step 1's update; the start-up's
 transients are not a training step's). On GPU ``torch.cuda.max_memory_allocated`` is recorded beside it. Each
 rank writes ``DIR/rank{R}.json``: ``{rank, peak, peak_phase, phase_peak, cuda_max_allocated, timeline}`` (timeline: ``(action, live
@@ -24,7 +24,9 @@ from pathlib import Path
 
 import torch
 
-from k3train.planning.live_bytes import LiveBytes
+from k3train.config import load_config
+from k3train.planning.fakerun.live_bytes import LiveBytes
+from k3train.trainer import Trainer
 
 
 def _labelled(lb: LiveBytes, name: str, fn):  # noqa: ANN001, ANN202 - a bound method
@@ -75,14 +77,11 @@ def _book_pair_worker(lb: LiveBytes, runner) -> None:  # noqa: ANN001 - a StepRu
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="k3train.planning.measure")
+    ap = argparse.ArgumentParser(prog="k3train.planning.calibration.measure_memory")
     ap.add_argument("--config", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=3)
     args, overrides = ap.parse_known_args(argv)
-    from k3train.config import load_config
-    from k3train.trainer import Trainer
-
     world = int(os.environ.get("WORLD_SIZE", "1"))
     out = Path(args.out)
     fixed = [f"--train.out_dir={out / 'run'}", "--checkpoint.resume=none", "--checkpoint.save_final=false",

@@ -129,7 +129,7 @@ def simulated_collectives(p2p_log: list[tuple[int, int]] | None = None) -> Itera
     """Patch ``torch.distributed`` so that calls on a :class:`SimGroup` run locally (see the module docstring).
     ``p2p_log``: every simulated point-to-point call (a ``batch_isend_irecv`` batch, or one ``isend`` / ``irecv``)
     appends ``(1, bytes)``, the larger of what it sends and receives (links are full duplex) -- the calls a rank's
-    code makes, and their bytes, are what the planner's link model charges (k3train/planning/layer_bench.py)."""
+    code makes, and their bytes, are what the planner's link model charges (k3train/planning/calibration/layer_bench.py)."""
     saved: dict[str, Any] = {}
 
     def wrap(name: str, pos: int, action: Any) -> Any:

@@ -21,10 +21,13 @@ enumerated.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable
 
 from k3train.config import Config, ConfigError, load_config
+from parallel.pipeline.partition import build_partition
+from parallel.pipeline.schedules import check_schedule, resolve_schedule
 
 # layout dimension -> config key
 KEYS = {"pp": "parallel.pp", "vpp": "parallel.vpp", "dp": "parallel.dp", "cp": "parallel.cp",
@@ -68,8 +71,6 @@ class Layout:
 
 def canonical(cfg: Config) -> Layout:
     """The canonical layout of a validated config (module docstring)."""
-    from parallel.pipeline.schedules import resolve_schedule
-
     p, t = cfg.parallel, cfg.train
     sched = "none" if p.pp == 1 else resolve_schedule(p.schedule, p.pp, p.vpp)
     return Layout(pp=p.pp, vpp=p.vpp if p.pp > 1 else 1, dp=p.dp, cp=p.cp, ep=p.ep,
@@ -101,8 +102,6 @@ class Validator:
         self._scheds: dict[tuple, Any] = {}
 
     def partition(self, cfg: Config) -> Any:
-        from parallel.pipeline.partition import build_partition
-
         p = cfg.parallel
         key = (p.pp, p.vpp if p.pp > 1 else 1, tuple(p.pp_layers), cfg.train.seq_len)
         if key not in self._parts:
@@ -118,8 +117,6 @@ class Validator:
     def schedule(self, name: str, pp: int, vpp: int, M: int) -> None:
         """Raises ConfigError where ``build_schedule`` would (``check_schedule``: the same rules, nothing built --
         at K3 scale a schedule has pp x vpp x M actions and there are thousands of (pp, vpp, M))."""
-        from parallel.pipeline.schedules import check_schedule
-
         key = (name, pp, vpp, M)
         if key not in self._scheds:
             try:
@@ -134,10 +131,6 @@ class Validator:
     def check(self, values: dict[str, Any]) -> Config:
         """The base config with ``values`` (layout dims) set, validated as ``validate_run(for_training=False)``
         does; raises ConfigError (or ParallelConfigError) when the layout is not accepted."""
-        from parallel.pipeline.schedules import resolve_schedule
-
-        import dataclasses
-
         # a copy with fresh parallel/train sections (validate writes derived fields there); the model section is
         # shared: validate only re-derives its layer lists, identically for every layout
         cfg = copy.copy(self.base)

@@ -8,7 +8,7 @@ QB histogram. :class:`KnownData`, entered *inside* a ``FakeTensorMode``, keeps t
 * an op whose tensor inputs are all real runs for real, if its result (seen first on fake tensors) is at most
   ``SMALL_REAL`` elements (the batch's ``doc_ids``/``positions``/labels and
   everything derived from them: index tensors, ``cu_seqlens``, the chunk layout) -- these are a few bytes per
-  token, allocated for real and booked by :class:`~k3train.planning.live_bytes.LiveBytes` like any other;
+  token, allocated for real and booked by :class:`~k3train.planning.fakerun.live_bytes.LiveBytes` like any other;
 * a factory op (``arange``, ``zeros`` with no tensor input) runs for real when its result is integer/bool and
   small, else fake;
 * ``topk`` on fake scores returns fake values and REAL indices of a perfectly balanced routing (row ``n``, slot

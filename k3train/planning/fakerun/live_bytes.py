@@ -5,7 +5,7 @@ GPU), and under ``FakeTensorMode`` nothing is allocated at all, yet both need th
 held by live tensors. Every op's outputs pass through ``__torch_dispatch__``; each new storage is booked once
 (keyed by its ``data_ptr`` for real tensors, by the storage object's identity for fake ones) and un-booked by a
 ``weakref`` callback when torch frees it (storages keep their Python object alive while the C++ storage lives).
-The same class measures a real training step (``k3train.planning.measure``) and the fake one the estimator
+The same class measures a real training step (``k3train.planning.calibration.measure_memory``) and the fake one the estimator
 runs (``k3train.planning.memory``), so the two numbers count exactly the same thing: storage bytes, no allocator
 rounding or fragmentation (on GPU add the caching allocator's slack on top).
 

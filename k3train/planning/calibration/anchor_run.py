@@ -1,17 +1,18 @@
 """The trainer anchor's run: the real trainer and the planner's isolated layer timing, measured in turns.
 
-``python -m k3train.planning.anchor --config C --out FILE [--rounds R] [--threads N] [--section.key=v ...]``
-(:func:`run_anchor` runs it in a fresh process and reads ``FILE``).
+``python -m k3train.planning.calibration.anchor_run --config C --out FILE [--rounds R] [--threads N] [--section.key=v
+...]`` (:func:`k3train.planning.calibration.anchor.run_anchor` runs it in a fresh process and reads ``FILE``).
 
 One process builds the real :class:`k3train.trainer.Trainer` for the overrides it is given (the planner passes one
-process and one micro-batch per step, :func:`k3train.planning.layer_bench.anchor_overrides`), runs two warm-up
+process and one micro-batch per step, :func:`k3train.planning.calibration.layer_times.anchor_overrides`), runs two warm-up
 steps (the first allocates optimizer state), then ``R`` rounds of: the isolated per-layer timing of
-:func:`k3train.planning.layer_bench.bench_layers` at the same ``[B, T]`` shape, then one real training step. A
+:func:`k3train.planning.calibration.layer_bench.bench_layers` at the same ``[B, T]`` shape, then one real training step. A
 round's ratio of the step's forward + backward to the isolated layers' sum is taken from two measurements seconds
 apart, so a drift of the host's speed (this workplace's VMs drift by 2x within an hour: see README) cancels; the
 anchor is the median over the rounds. ``FILE`` holds ``{"rounds": [{phases of the step, "isolated_fb_s"}, ...]}``.
 
-``python -m k3train.planning.anchor --concurrency N --config C --out FILE ...`` (:func:`run_concurrency`) measures
+``python -m k3train.planning.calibration.anchor_run --concurrency N --config C --out FILE ...``
+(:func:`~k3train.planning.calibration.anchor.run_concurrency`) measures
 how fast the same one-process trainer steps while ``n = 1..N`` copies of it step on this host at once, in lock-step
 (each step of a phase ends at a barrier of the ``n`` active copies, as a synchronous data-parallel step waits for
 its slowest rank). The copies are built once and kept; the phases ``n = 1..N`` repeat in rounds, and each round's
@@ -24,21 +25,28 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
+import multiprocessing
 import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from k3train.config import load_config
+from k3train.planning.calibration.layer_bench import bench_layers
+from k3train.runtime.process_groups import cores_available
+from k3train.trainer import Trainer
+
 ROUNDS = 3
-CONCURRENCY_ROUNDS = 5  # each phase is a few seconds of a drifting host: the median of 5 rounds' ratios
 _FIXED = ["--checkpoint.resume=none", "--checkpoint.save_final=false", "--checkpoint.interval=0",
           "--checkpoint.overwrite=true", "--logging.wandb=false", "--logging.peak_flops=1e12",
           "--logging.level=WARNING", "--train.eval_interval=0"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="k3train.planning.anchor")
+    ap = argparse.ArgumentParser(prog="k3train.planning.calibration.anchor_run")
     ap.add_argument("--config", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--rounds", type=int, default=ROUNDS)
@@ -50,14 +58,6 @@ def main(argv: list[str] | None = None) -> int:
         curve = concurrency_curve(args.config, overrides, args.concurrency, args.threads, args.rounds, args.steps)
         Path(args.out).write_text(json.dumps(curve))
         return 0
-    import tempfile
-
-    import torch
-
-    from k3train.config import load_config
-    from k3train.planning.layer_bench import bench_layers
-    from k3train.trainer import Trainer
-
     with tempfile.TemporaryDirectory(prefix="k3anchor_") as tmp:
         fixed = [f"--train.out_dir={tmp}/run", *_FIXED, f"--train.steps={2 + args.rounds}"]
         cfg = load_config(args.config, overrides + fixed, world_size=1)
@@ -87,14 +87,6 @@ def _concurrency_worker(idx: int, config: str, overrides: list[str], threads: in
     Copy 0 times one step alone after the warm-up and sets the rounds (at most ``max_rounds``, at least 2) that fit
     ``budget_s`` under processor sharing. ``out[(round * procs + n - 1) * procs + idx]``: the phase's seconds per
     step on this copy."""
-    import time
-
-    import torch
-
-    from k3train.config import load_config
-    from k3train.runtime.process_groups import cores_available
-    from k3train.trainer import Trainer
-
     total = 3 + max_rounds * steps * procs
     with build_lock:
         cfg = load_config(config, overrides + [f"--train.out_dir={tmp}/run{idx}", *_FIXED,
@@ -133,10 +125,7 @@ def concurrency_curve(config: str, overrides: list[str], procs: int, threads: in
     """``{n: speed}`` for ``n = 1..procs``: seconds per lock-step step of one copy alone over those of ``n`` copies
     at once, the median over the rounds of each round's own ratio, made monotone (more copies never run faster).
     ``rounds`` is a maximum: a config whose step is long gets as many (>= 2) as fit ``budget_s``."""
-    import multiprocessing as mp
-    import tempfile
-
-    ctx = mp.get_context("spawn")
+    ctx = multiprocessing.get_context("spawn")
     barriers = [ctx.Barrier(n) for n in range(1, procs + 1)]
     out = ctx.Array("d", rounds * procs * procs)
     rounds_v = ctx.Value("i", rounds)
@@ -165,37 +154,6 @@ def concurrency_curve(config: str, overrides: list[str], procs: int, threads: in
         best = min(best, ratios[len(ratios) // 2])
         curve[str(n)] = best
     return curve
-
-
-def _run_module(args: list[str], threads: int, what: str, timeout: float) -> Any:
-    """Run this module in a fresh process (``threads`` intra-op threads, no torchrun variables) with ``args``
-    and ``--out FILE``; return the JSON it wrote."""
-    import tempfile
-
-    root = Path(__file__).resolve().parents[2]
-    with tempfile.TemporaryDirectory(prefix="k3anchor_") as tmp:
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-        from k3train.runtime.process_groups import child_pythonpath  # noqa: PLC0415
-        env.update(WANDB_MODE="disabled", OMP_NUM_THREADS=str(threads), PYTHONPATH=child_pythonpath(root))
-        cmd = [sys.executable, "-m", "k3train.planning.anchor", "--out", f"{tmp}/out.json", f"--threads={threads}",
-               *args]
-        p = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
-        if p.returncode != 0:
-            raise RuntimeError(f"{what} failed (exit {p.returncode}): {' '.join(cmd)}\n{p.stderr[-3000:]}")
-        return json.loads(Path(f"{tmp}/out.json").read_text())
-
-
-def run_anchor(config: str, overrides: list[str], threads: int, timeout: float = 1800) -> dict[str, Any]:
-    """Run :func:`main` in a fresh one-process job (``threads`` intra-op threads) and return its file."""
-    return _run_module(["--config", config, *overrides], threads, "trainer anchor run", timeout)
-
-
-def run_concurrency(config: str, overrides: list[str], procs: int, threads: int,
-                    timeout: float = 1800) -> dict[str, float]:
-    """:func:`concurrency_curve` in a fresh job: ``{n: speed}`` of the one-process trainer of ``overrides`` while
-    ``n`` copies of it step at once."""
-    return _run_module(["--concurrency", str(procs), f"--rounds={CONCURRENCY_ROUNDS}", "--config", config,
-                        *overrides], threads, "trainer concurrency calibration", timeout)
 
 
 if __name__ == "__main__":

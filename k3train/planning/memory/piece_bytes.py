@@ -1,0 +1,62 @@
+"""What the planner's static memory bound reads of the composed pieces: the FFN sublayers' saved bytes, the token
+mixers', and the end pieces' (the very fits and cache entries the estimate composes)."""
+from __future__ import annotations
+
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from k3train.config import Config
+from k3train.model.model import CE_CHUNK_TOKENS
+from k3train.planning.memory.pieces import most_keys_rank, piece_layers, trace_piece
+
+
+def ffn_saved_bytes(cfg: Config, model: nn.Module, fake: FakeTensorMode, cache: dict, B: int, T: int,
+                    deadline: float | None = None) -> dict[bool, int]:
+    """``{is_moe: bytes}``: what one micro-batch's FFN sublayer keeps from its forward to its backward, dense and
+    MoE, under ``cfg``'s recompute setting -- under sublayer recomputation the very pieces (same fits, same
+    ``cache`` entries) that :func:`trace_chunk` composes for every layer of a chunk at ``B x T`` tokens when it
+    does not trace it whole; without recomputation the FFN ops of each layer piece, traced alone. They do not
+    depend on cp (:func:`piece_depends_on_cp`), which makes them a lower-bound term the planner computes once for
+    every layout (``step_time.static_memory_lower_bound``)."""
+    reps = piece_layers(cfg)
+    moe_chunk = cfg.model.moe_token_chunk if cfg.model.num_experts > 0 else 0
+    out = {}
+    for moe in sorted({k[1] for k in reps if k[0] == "ffn"}):
+        i = reps[("ffn", moe)]
+        out[moe] = trace_piece(cfg, model, fake, cache, ("ffn", moe), i, i + 1, False, False, "ffn",
+                               (moe_chunk,) if moe else (), B=B, T=T, deadline=deadline)[0]
+    return out
+
+
+def mixer_bytes(cfg: Config, model: nn.Module, fake: FakeTensorMode, cache: dict, B: int, T: int,
+                deadline: float | None = None) -> dict[str, tuple[int, int]]:
+    """``{layer kind: (saved, b_peak)}`` of each token-mixer sublayer under sublayer recomputation, on the CP rank
+    whose MLA attends over the most key segments (under balance rank 0, else the last): the very pieces
+    :func:`trace_chunk` composes for that rank at ``B x T`` tokens (same fits, same ``cache`` entries; above
+    CP_TRACED_MAX from the cp line). With :func:`ffn_saved_bytes` what the planner's static bound composes a
+    chunk's sublayers from: the MLA keys of all the cp segments and the KDA pairs of the group are in them."""
+    reps = piece_layers(cfg)
+    rank = most_keys_rank(cfg)
+    out = {}
+    for kind in sorted({k[1] for k in reps if k[0] == "mixer"}):
+        i = reps[("mixer", kind)]
+        saved, _, b_peak = trace_piece(cfg, model, fake, cache, ("mixer", kind), i, i + 1, False, False, "mixer", (),
+                                       kind, B=B, T=T, cp_rank=rank, deadline=deadline)
+        out[kind] = (saved, b_peak)
+    return out
+
+
+def end_bytes(cfg: Config, model: nn.Module, fake: FakeTensorMode, cache: dict, B: int, T: int,
+              deadline: float | None = None) -> dict[str, tuple[int, int]]:
+    """``{"embed": (saved, b_peak), "head": (saved, b_peak)}``: the first stage's embedding piece and the last
+    stage's head piece (the LM head + MTP cross-entropy in token chunks, the MTP layer) as :func:`trace_chunk`
+    composes them at ``B x T`` tokens, the head on the CP rank :func:`mixer_bytes` reads (same fits, same ``cache``
+    entries). The head's MTP layer keeps a mixer's and an FFN's worth for every micro-batch in flight on the last
+    stage: the bound's term for it (``step_time.static_memory_lower_bound``)."""
+    L = cfg.model.num_hidden_layers
+    rank = most_keys_rank(cfg)
+    moe_chunk = cfg.model.moe_token_chunk if cfg.model.num_experts > 0 else 0
+    e = trace_piece(cfg, model, fake, cache, ("embed",), 0, 0, True, False, B=B, T=T, deadline=deadline)
+    h = trace_piece(cfg, model, fake, cache, ("head",), L, L, False, True, None, (CE_CHUNK_TOKENS, moe_chunk), "mla",
+                    B=B, T=T, cp_rank=rank, deadline=deadline)
+    return {"embed": (e[0], e[2]), "head": (h[0], h[2])}
