@@ -37,13 +37,13 @@ from k3train.planning.scope import check_modelled  # noqa: E402
 def run_measure(config: str, world: int, overrides: list[str], steps: int, timeout: float = 1800) -> dict[int, int]:
     """Measured peak live tensor bytes per rank (real training steps under torchrun)."""
     with tempfile.TemporaryDirectory(prefix="k3mem_") as tmp:
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-        from k3train.runtime.process_groups import child_pythonpath  # lazy: it loads torch; only --measure needs it
-        env.update(WANDB_MODE="disabled", OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
-                   PYTHONPATH=child_pythonpath(ROOT))
+        from k3train.planning.calibration.host import child_env  # lazy: it loads torch; only --measure needs it
+
+        env = child_env(ROOT, os.environ.get("OMP_NUM_THREADS", "1"))
         torchrun = Path(sys.executable).with_name("torchrun")
-        cmd = [str(torchrun), "--standalone", f"--nproc_per_node={world}", "-m", "k3train.planning.calibration.measure_memory",
-               "--config", config, "--out", tmp, "--steps", str(steps), *overrides]
+        cmd = [str(torchrun), "--standalone", f"--nproc_per_node={world}", "-m",
+               "k3train.planning.calibration.measure_memory", "--config", config, "--out", tmp, "--steps", str(steps),
+               *overrides]
         p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
         if p.returncode != 0:
             raise RuntimeError(f"measure run failed (exit {p.returncode}):\n{p.stderr[-4000:]}")

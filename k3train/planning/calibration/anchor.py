@@ -3,14 +3,13 @@ they run): the real trainer beside the isolated layer timing, and its concurrenc
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from k3train.runtime.process_groups import child_pythonpath
+from k3train.planning.calibration.host import child_env
 
 CONCURRENCY_ROUNDS = 5  # each phase is a few seconds of a drifting host: the median of 5 rounds' ratios
 
@@ -20,8 +19,7 @@ def _run_module(args: list[str], threads: int, what: str, timeout: float) -> Any
     and ``--out FILE``; return the JSON it wrote."""
     root = Path(__file__).resolve().parents[3]
     with tempfile.TemporaryDirectory(prefix="k3anchor_") as tmp:
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-        env.update(WANDB_MODE="disabled", OMP_NUM_THREADS=str(threads), PYTHONPATH=child_pythonpath(root))
+        env = child_env(root, str(threads))
         cmd = [sys.executable, "-m", "k3train.planning.calibration.anchor_run", "--out", f"{tmp}/out.json", f"--threads={threads}",
                *args]
         p = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)

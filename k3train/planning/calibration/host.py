@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import socket
 import time
@@ -11,7 +12,7 @@ from typing import Any
 import torch
 
 from k3train.runtime.cache_dir import cache_dir
-from k3train.runtime.process_groups import cores_available
+from k3train.runtime.process_groups import child_pythonpath, cores_available
 
 
 def cache_path(explicit: str | None = None) -> Path:
@@ -72,3 +73,11 @@ def median_time(fn, reps: int) -> float:  # noqa: ANN001
         ts.append(time.perf_counter() - t0)
     ts.sort()
     return ts[len(ts) // 2]
+
+
+def child_env(root: Path, threads: str) -> dict[str, str]:
+    """The environment of a job this host runs to measure (a trainer run, a torchrun): this process's without a
+    launcher's rank variables, wandb off, ``threads`` intra-op threads, the checkout ``root`` first on the path."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(WANDB_MODE="disabled", OMP_NUM_THREADS=threads, PYTHONPATH=child_pythonpath(root))
+    return env

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from k3train.runtime.process_groups import child_pythonpath
+from k3train.planning.calibration.host import child_env
 
 
 PHASES = ("step_time_s", "time_forward_backward_s", "time_grad_norm_s", "time_optimizer_s")
@@ -24,8 +23,7 @@ def measure_step(config: str, overrides: list[str], world: int, steps: int = 4, 
     allocates optimizer state, and the second was still 5-10% slower in runs here."""
     root = Path(__file__).resolve().parents[3]
     with tempfile.TemporaryDirectory(prefix="k3plan_") as tmp:
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-        env.update(WANDB_MODE="disabled", OMP_NUM_THREADS=str(threads), PYTHONPATH=child_pythonpath(root))
+        env = child_env(root, str(threads))
         torchrun = Path(sys.executable).with_name("torchrun")
         cmd = [str(torchrun), "--standalone", f"--nproc_per_node={world}", "-m", "k3train.train", "--config", config,
                *overrides, f"--train.out_dir={tmp}/run", f"--train.steps={steps}", "--checkpoint.resume=none",
