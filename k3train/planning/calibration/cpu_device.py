@@ -16,8 +16,8 @@ from typing import Any
 
 from k3train.planning.calibration.cpu_bench import (bench_concurrency, bench_copy, bench_gloo, bench_loaded_collective,
                                                     bench_matmul)
-from k3train.planning.calibration.device import Device
 from k3train.planning.calibration.host import host_key, load_cache, save_cache
+from k3train.planning.step_time.device import Device
 from k3train.runtime.process_groups import cores_available
 
 

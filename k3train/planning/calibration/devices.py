@@ -19,10 +19,9 @@ from typing import Any
 
 from k3train.config import ConfigError
 from k3train.planning.calibration.cpu_device import calibrate_cpu
-from k3train.planning.calibration.device import Device, GB
 from k3train.planning.calibration.host import cache_path
+from k3train.planning.step_time.device import GB, Device
 from k3train.reporting.device_peaks import BF16_DENSE_PEAK
-
 
 PUBLISHED = {
     "h100": Device("h100", peak_flops=BF16_DENSE_PEAK["h100"], hbm_bytes=80 * GB, hbm_bw=3.35e12, nvlink_bw=450 * GB,

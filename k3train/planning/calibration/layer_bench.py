@@ -35,7 +35,6 @@ from k3train.planning.step_time.facts import opt_sig
 from moonep.shard import apply_expert_parallel
 from parallel.pipeline.stage import run_maybe_recomputed
 
-
 # bumped whenever what bench_layers runs changes, so a calibration file never serves times of an older method
 # (2: EP layers through the real dispatcher, CP layers through KCP / MLA-CP; 3: the backward under recompute
 # timed, fused AttnRes aggregation; 4: the KDA op keeps its solve for the backward; 5: EP set up by

@@ -11,7 +11,6 @@ from pathlib import Path
 
 from k3train.planning.calibration.host import child_env
 
-
 PHASES = ("step_time_s", "time_forward_backward_s", "time_grad_norm_s", "time_optimizer_s")
 
 

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from k3train.config import Config
-from k3train.planning.dtypes import dtype_bytes
 from k3train.model.moe import LatentMoE
+from k3train.planning.dtypes import dtype_bytes
 from moonep.comm import token_buffer_rows
 from moonep.replica_pool import NUM_BANKS
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from k3train.config import Config
 
-
 # Above this many (tokens per micro-batch and rank) x (model layers) chunks are not traced whole: the cost of a
 # fake trace grows with both (chunked KDA's recurrence is one Python step per 64 tokens: a 64K-token K3 segment
 # would take hours of fake ops; 93 K3 layers at 4K tokens ~10 minutes on 2 cores). Instead each distinct piece --

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import math
 
-
 COMPOSE_TOKENS = (1024, 2048, 4096)
 
 

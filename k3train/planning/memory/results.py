@@ -4,7 +4,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
 
 

@@ -12,10 +12,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from k3train.config import Config
 from k3train.model.attnres import AttnResState, canonical_layout
 from k3train.model.seq import SeqInfo
+from k3train.planning.dtypes import train_dtype
 from k3train.planning.fakerun.known_data import KnownData
 from k3train.planning.fakerun.live_bytes import LiveBytes
 from k3train.planning.fakerun.sim_collectives import simulated_collectives
-from k3train.planning.dtypes import train_dtype
 from k3train.planning.fakerun.synthetic import cp_rank_seq, trace_batch
 from k3train.planning.memory.media import MediaCase, media_batch
 from parallel.pipeline.stage import recompute_chunk, recompute_unit, run_maybe_recomputed

@@ -11,7 +11,6 @@ from k3train.planning.memory.compose import compose
 from k3train.planning.step_time.facts import ParamFacts
 from parallel.pipeline.attnres_comm import AttnResCommPlan
 
-
 _MEMO: dict[tuple, Any] = {}
 
 

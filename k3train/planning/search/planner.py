@@ -6,7 +6,6 @@ import time
 from typing import Any
 
 from k3train.config import ConfigError
-from k3train.planning.calibration.device import Device
 from k3train.planning.memory.cache import EstimateCache
 from k3train.planning.memory.estimate import estimate
 from k3train.planning.memory.limits import TraceTooBig
@@ -17,6 +16,7 @@ from k3train.planning.search.piece_bounds import PieceBounds
 from k3train.planning.search.rank import Search
 from k3train.planning.search.rows import PlanResult, Row
 from k3train.planning.search.time_bound import compute_lower_bound
+from k3train.planning.step_time.device import Device
 from k3train.planning.step_time.facts import ParamFacts
 
 

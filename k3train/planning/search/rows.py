@@ -6,8 +6,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from k3train.model.flops import model_flops_per_token
-from k3train.planning.calibration.device import Device
 from k3train.planning.search.layouts import Layout
+from k3train.planning.step_time.device import Device
 from k3train.planning.step_time.predict import Prediction
 
 

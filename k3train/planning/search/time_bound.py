@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from k3train.planning.calibration.device import Device
 from k3train.planning.programs import pairs_actions
 from k3train.planning.step_time.costs import action_costs
+from k3train.planning.step_time.device import Device
 from k3train.planning.step_time.facts import ParamFacts
 from k3train.planning.step_time.optimizer import optimizer_seconds
-
 
 _MEMO: dict[tuple, Any] = {}
 

@@ -6,10 +6,9 @@ import math
 from typing import Any
 
 from k3train.model.chunking import head_ranges, token_ranges
-from k3train.planning.calibration.device import Device
 from k3train.planning.dtypes import dtype_bytes
+from k3train.planning.step_time.device import Device
 from k3train.planning.step_time.links import group_link, ring_time
-
 
 # the in-action collectives by kind (comm_per_layer), and the rest of a step's communication (predict)
 IN_ACTION_KINDS = ("ep_all_to_all", "moonep_replicas", "kcp", "mla_cp")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from k3train.planning.calibration.device import Device
+from k3train.planning.step_time.device import Device
 from parallel.pipeline.partition import embed_cost, head_cost, layer_cost
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from k3train.planning.calibration.device import Device
 from k3train.planning.dtypes import dtype_bytes, train_dtype
 from k3train.planning.memory.buffers import plan_bytes
 from k3train.planning.step_time.comm import IN_ACTION_KINDS, comm_per_layer
 from k3train.planning.step_time.compute import layer_compute, routed_share
+from k3train.planning.step_time.device import Device
 from k3train.planning.step_time.links import node_of
 from k3train.planning.step_time.overlap import layer_ops, own_row_share, side_timeline
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from k3train.planning.calibration.device import Device
+from k3train.planning.step_time.device import Device
 
 
 def node_of(rank: int, dev: Device) -> int:

@@ -4,10 +4,9 @@ from __future__ import annotations
 from typing import Any
 
 from k3train.optim.newton_schulz import ns_flops
-from k3train.planning.calibration.device import Device
+from k3train.planning.step_time.device import Device
 from k3train.planning.step_time.facts import ParamFacts, opt_sig
 from moonep.shard import is_expert_param
-
 
 _MEMO: dict[tuple, Any] = {}
 

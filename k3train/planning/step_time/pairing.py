@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from k3train.planning.calibration.device import Device
 from k3train.planning.dtypes import dtype_bytes
 from k3train.planning.step_time.compute import routed_share
 from k3train.planning.step_time.costs import layer_terms
+from k3train.planning.step_time.device import Device
 from k3train.planning.step_time.overlap import layer_ops, own_row_share, side_timeline
 
 

@@ -7,12 +7,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from k3train.planning.calibration.device import Device
 from k3train.planning.dtypes import dtype_bytes
 from k3train.planning.programs import cached_pair_programs, pairs_actions
 from k3train.planning.step_time.comm import IN_ACTION_KINDS
 from k3train.planning.step_time.compute import anchor_of
 from k3train.planning.step_time.costs import action_costs
+from k3train.planning.step_time.device import Device
 from k3train.planning.step_time.facts import ParamFacts
 from k3train.planning.step_time.links import group_link, ring_time
 from k3train.planning.step_time.optimizer import optimizer_seconds

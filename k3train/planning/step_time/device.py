@@ -1,10 +1,9 @@
 """One device as the step-time model sees it: compute, memory, links and, on a cpu, how its ranks share the
-cores (see :mod:`k3train.planning.calibration.devices`)."""
+cores (the published GPUs and this host's cpu: :mod:`k3train.planning.calibration.devices`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
-
 
 GB = 1e9
 
