@@ -8,8 +8,8 @@ validation accepts for the world size -- a ``--parallel.X=`` / ``--train.micro_b
 dimension -- drops those whose estimated per-rank peak (tools/memory.py's estimator) exceeds the device memory,
 predicts each step time with its breakdown (compute, exposed communication, bubble, optimizer) and prints the
 ranking. ``--device`` is ``cpu`` (calibrated here, cached) or ``h100`` / ``h200`` / ``b200`` (published figures);
-``--device-field FIELD=VALUE`` overrides any field (k3train/planning/calibration/devices.py). ``--json``: one object with a
-``layouts`` list. ``--plot F.png``: predicted throughput against peak memory, the chosen layout marked.
+``--device-field FIELD=VALUE`` overrides any field (k3train/planning/calibration/devices.py). ``--json``: one object
+with a ``layouts`` list. ``--plot F.png``: predicted throughput against peak memory, the chosen layout marked.
 ``--measure K``: the top K and a few of the slowest predicted layouts run for ``--steps`` real steps under torchrun
 here; measured beside predicted, median absolute error and Spearman rank correlation.
 """

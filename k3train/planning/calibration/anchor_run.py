@@ -4,9 +4,9 @@
 ...]`` (:func:`k3train.planning.calibration.anchor.run_anchor` runs it in a fresh process and reads ``FILE``).
 
 One process builds the real :class:`k3train.trainer.Trainer` for the overrides it is given (the planner passes one
-process and one micro-batch per step, :func:`k3train.planning.calibration.layer_times.anchor_overrides`), runs two warm-up
+process and one micro-batch per step, :func:`.layer_times.anchor_overrides`), runs two warm-up
 steps (the first allocates optimizer state), then ``R`` rounds of: the isolated per-layer timing of
-:func:`k3train.planning.calibration.layer_bench.bench_layers` at the same ``[B, T]`` shape, then one real training step. A
+:func:`.layer_bench.bench_layers` at the same ``[B, T]`` shape, then one real training step. A
 round's ratio of the step's forward + backward to the isolated layers' sum is taken from two measurements seconds
 apart, so a drift of the host's speed (this workplace's VMs drift by 2x within an hour: see README) cancels; the
 anchor is the median over the rounds. ``FILE`` holds ``{"rounds": [{phases of the step, "isolated_fb_s"}, ...]}``.

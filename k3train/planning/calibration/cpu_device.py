@@ -1,5 +1,6 @@
 """The ``cpu`` device of this host: one torchrun rank per process on this host; everything is measured once and
-cached in a JSON file (``~/.cache/k3train/cpu_calibration.json`` or ``--calibration FILE``), keyed by host, cores and torch version:
+cached in a JSON file (``~/.cache/k3train/cpu_calibration.json`` or ``--calibration FILE``), keyed by host, cores and
+torch version:
 matmul FLOP/s at the thread count a rank gets, copy bandwidth, gloo point-to-point and all-reduce latency and
 bandwidth between two local processes, what a small all-reduce over the world's ranks costs while every rank
 computes between collectives (``loaded_collective_s`` per kind: what the planner charges per call on this host;

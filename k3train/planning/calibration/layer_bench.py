@@ -50,7 +50,7 @@ def _time(fn, reps: int = 3) -> float:  # noqa: ANN001
 @dataclass
 class _SimEPDims:
     """What :func:`moonep.shard.apply_expert_parallel` reads of a ``ParallelDims``, for rank 0 of a simulated EP
-    group (:class:`k3train.planning.sim_collectives.SimGroup`)."""
+    group (:class:`k3train.planning.fakerun.sim_collectives.SimGroup`)."""
     ep: int
     ep_rank: int = 0
 

@@ -31,7 +31,7 @@ def _key(cfg: Any, *parts: Any) -> str:
     return "|".join([h, cfg.train.dtype, *map(str, parts)])
 
 
-# the trainer anchor (k3train.planning.calibration.anchor_run): one process, one micro-batch per step, the real trainer and the
+# the trainer anchor (calibration/anchor_run.py): one process, one micro-batch per step, the real trainer and the
 # isolated layers in turns; bumped when what it runs changes
 ANCHOR_VERSION = 2
 
@@ -161,7 +161,7 @@ class LayerTimes:
     def concurrency(self, cfg: Any, procs: int) -> dict[str, float] | None:
         """How fast a rank steps while ``n = 1..procs`` ranks of this host step at once: ``n`` copies of the trainer
         anchor's one-process trainer (this config, its own micro-batch) in lock-step
-        (:func:`k3train.planning.calibration.anchor_run.concurrency_curve`; cached). Without a config (no anchor): None."""
+        (:func:`.anchor_run.concurrency_curve`; cached). Without a config (no anchor): None."""
         if self.config is None:
             return None
         B, T = self._anchor_shape(cfg)

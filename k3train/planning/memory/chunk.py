@@ -29,7 +29,7 @@ def trace_chunk(cfg: Config, model: nn.Module, part: Any, plan: Any, v: int, chu
     above ``TRACE_BUDGET``, ``cache`` holding the per-signature fits).
 
     Under CP the real KCP context runs with simulated collectives. Composed traces are taken at CP ranks 0 and 1
-    and extended to rank r affinely in the MLA key segments of the rank (:func:`~k3train.planning.memory.pieces.mla_key_segments`: every key-side
+    and extended to rank r affinely in the MLA key segments of the rank (:func:`~.pieces.mla_key_segments`: every key-side
     byte -- the latent keys, their doc ids, the latent gradient -- grows linearly with them; the KCP pairs are the
     whole group's on every rank). ``deadline``: :class:`TraceDeadline` before any trace that starts after it;
     ``limit``: :class:`TraceTooBig` as soon as the pieces composed so far exceed it, or their saved bytes times

@@ -17,7 +17,7 @@ def ffn_saved_bytes(cfg: Config, model: nn.Module, fake: FakeTensorMode, cache: 
     ``cache`` entries) that :func:`trace_chunk` composes for every layer of a chunk at ``B x T`` tokens when it
     does not trace it whole; without recomputation the FFN ops of each layer piece, traced alone. They do not
     depend on cp (:func:`piece_depends_on_cp`), which makes them a lower-bound term the planner computes once for
-    every layout (``step_time.static_memory_lower_bound``)."""
+    every layout (``search.memory_bound.static_memory_lower_bound``)."""
     reps = piece_layers(cfg)
     moe_chunk = cfg.model.moe_token_chunk if cfg.model.num_experts > 0 else 0
     out = {}
@@ -52,7 +52,7 @@ def end_bytes(cfg: Config, model: nn.Module, fake: FakeTensorMode, cache: dict, 
     stage's head piece (the LM head + MTP cross-entropy in token chunks, the MTP layer) as :func:`trace_chunk`
     composes them at ``B x T`` tokens, the head on the CP rank :func:`mixer_bytes` reads (same fits, same ``cache``
     entries). The head's MTP layer keeps a mixer's and an FFN's worth for every micro-batch in flight on the last
-    stage: the bound's term for it (``step_time.static_memory_lower_bound``)."""
+    stage: the bound's term for it (``search.memory_bound.static_memory_lower_bound``)."""
     L = cfg.model.num_hidden_layers
     rank = most_keys_rank(cfg)
     moe_chunk = cfg.model.moe_token_chunk if cfg.model.num_experts > 0 else 0

@@ -31,8 +31,8 @@ def _stage_terms(facts: ParamFacts, part: Any, ep: int) -> list[tuple[float, flo
 
 def _recv_blocks(part: Any, mode: str) -> list[list[int]]:
     """Per pipeline rank, per local chunk: the hidden-state-sized tensors its forward receives from the previous
-    stage (the cached AttnRes plan's payload, ``memory.buffers.plan_bytes``), held by each micro-batch in flight until its
-    backward (memoised per partition and mode)."""
+    stage (the cached AttnRes plan's payload, ``memory.buffers.plan_bytes``), held by each micro-batch in flight until
+    its backward (memoised per partition and mode)."""
     key = ("recv", id(part), mode)
     if key not in _MEMO:
         plan = AttnResCommPlan(part, mode) if part.pp > 1 else None
@@ -116,25 +116,25 @@ def static_memory_lower_bound(facts: ParamFacts, cfg: Any, part: Any, pp: int, d
     measured: 46 hidden states per layer; ``sublayer`` 4.5, ``layer`` 1.2); under ``layer`` only each layer's
     output stays (the mixer's partial sum is remade in the backward),
     under ``chunk`` only the chunk's input, and the recomputed chunk's sublayers in its backward. ``in_flight``
-    (:func:`k3train.planning.programs.forwards_before_first_backward`): the forwards the schedule runs before a rank's first backward each
+    (:func:`~.programs.forwards_before_first_backward`): the forwards the schedule runs before a rank's first backward each
     keep theirs; without it one forward of every local chunk. With the weights and optimizer state (no gradients:
     those of the chunk may still be forming) that is a bound too, and at long context the one that rules layouts
     out (a 1M row over few pipeline stages, or many micro-batches in flight).
 
-    ``ffn_saved`` (``recompute`` ``"sublayer"`` or None: :func:`k3train.planning.memory.piece_bytes.ffn_saved_bytes`,
+    ``ffn_saved`` (``recompute`` ``"sublayer"`` or None: :func:`~.piece_bytes.ffn_saved_bytes`,
     ``{is_moe: bytes}``, traced under the same recompute setting; a part of each layer whether the estimator
     composes the micro-batch per piece or traces its chunks whole):
     each FFN counts what its traced sublayer keeps -- under sublayer recomputation the very bytes the estimator
     composes for it; without recomputation a part of its layer's (the same FFN ops on the same shapes, the mixer's
     output their input) -- the same for every cp, instead of one or two hidden states; the token mixer counts one
     (its partial sum). ``mixer`` (with ``ffn_saved``, ``recompute`` ``"sublayer"``:
-    :func:`k3train.planning.memory.piece_bytes.mixer_bytes`, ``{kind: (saved, b_peak)}`` at this cp): each token mixer counts its
+    :func:`~.piece_bytes.mixer_bytes`, ``{kind: (saved, b_peak)}`` at this cp): each token mixer counts its
     traced piece's saved bytes, and the first backward's chunk is composed as the estimator composes it (sublayers in
     order, the peak of each sublayer's backward on top of what the earlier ones keep; an FFN's backward counted at its
     saved bytes): the MLA keys of every cp segment that a backward's recomputed mixer gathers are in the bound, the
     layouts whose cp makes them too big drop out without a trace. Both may be traced on one row of a micro-batch of
     several (the planner does: a micro-batch holds at least what one of its rows holds), ``tokens`` being the whole
-    micro-batch's. ``ends`` (with ``mixer``: :func:`k3train.planning.memory.piece_bytes.end_bytes`, ``{"embed", "head": (saved,
+    micro-batch's. ``ends`` (with ``mixer``: :func:`~.piece_bytes.end_bytes`, ``{"embed", "head": (saved,
     b_peak)}``): the first chunk's embedding and the last chunk's head (the MTP layer) are composed in too, as the
     estimator composes them. Over several stages every forward in flight also holds the payload its chunk received
     (the cached AttnRes plan's partial sum and blocks, :func:`_recv_blocks`) until its backward, as the estimator

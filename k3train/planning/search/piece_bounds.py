@@ -38,9 +38,9 @@ class PieceBounds:
         # the bound reads the partition, dp*cp, ep, zero, moonep, tokens, schedule
         self.bound: dict[tuple, int] = {}
         self.flight: dict[tuple, list[list[int]]] = {}
-        self.ffn: dict[tuple, dict[bool, int] | None] = {}  # (row tokens, recompute) -> memory.ffn_saved_bytes
-        self.mixer: dict[tuple, dict[str, tuple[int, int]] | None] = {}  # (row tokens, cp) -> memory.mixer_bytes
-        self.ends: dict[tuple, dict[str, tuple[int, int]] | None] = {}  # (row tokens, cp, ep) -> memory.end_bytes
+        self.ffn: dict[tuple, dict[bool, int] | None] = {}  # (row tokens, recompute) -> ffn_saved_bytes
+        self.mixer: dict[tuple, dict[str, tuple[int, int]] | None] = {}  # (row tokens, cp) -> mixer_bytes
+        self.ends: dict[tuple, dict[str, tuple[int, int]] | None] = {}  # (row tokens, cp, ep) -> end_bytes
         self.ends_at_most: dict[tuple, dict[str, tuple[int, int]] | None] = {}  # (row tokens, cp) -> at most any ep's
         self.mixer_refine: dict[tuple, tuple] = {}  # bound key -> what the bound with the token mixers' pieces reads
         self.refine: dict[tuple, tuple] = {}  # bound key -> what the bound with the end pieces reads
@@ -120,7 +120,7 @@ class PieceBounds:
             self.with_ends(r, ends)
 
     def ffn_saved(self, r: Row) -> dict[bool, int] | None:
-        """``memory.ffn_saved_bytes`` for one row of ``r``'s micro-batch (``seq_len / cp`` tokens) under
+        """``ffn_saved_bytes`` for one row of ``r``'s micro-batch (``seq_len / cp`` tokens) under
         its recompute setting, at most what it is at any ep of the space: the smaller of its values at the
         smallest and the largest ep (``ep_ends``). What a MoE FFN saves is a few bookkeeping bytes per local
         expert (fewer at a larger ep) plus bytes per route row that are the same at every ep > 1, so no ep between
@@ -136,7 +136,7 @@ class PieceBounds:
         return self.ffn[key]
 
     def ends_low(self, r: Row, t_end: float | None) -> dict[str, tuple[int, int]] | None:
-        """``memory.end_bytes`` at ``r``'s cp, at most what they are at any ep of the space: the smaller of their
+        """``end_bytes`` at ``r``'s cp, at most what they are at any ep of the space: the smaller of their
         values at its smallest and largest ep (the head's MTP layer runs the local experts: its backward holds a
         weight gradient per local expert, fewer at a larger ep; see :meth:`ffn_saved`) -- two traces per cp
         instead of one per ep, for the bound of every layout at that cp."""
@@ -151,7 +151,7 @@ class PieceBounds:
 
     def per_cp(self, r: Row, fn: Any, memo: dict[tuple, Any], t_end: float | None,
                by_ep: bool = False, ep: int | None = None) -> dict[str, tuple[int, int]] | None:
-        """``fn`` (``memory.mixer_bytes`` or ``memory.end_bytes``) for one row of ``r``'s micro-batch at its cp
+        """``fn`` (:func:`mixer_bytes` or :func:`end_bytes`) for one row of ``r``'s micro-batch at its cp
         (under sublayer recomputation; None where the estimator traces whole chunks, or once the plan's time is
         spent); ``by_ep``: also per ep (``ep``, default ``r``'s: the head's MTP layer runs the local experts)."""
         B, T = 1, r.cfg.train.seq_len // r.layout.cp  # one row (module docstring)

@@ -15,7 +15,8 @@ _MEMO: dict[tuple, Any] = {}
 
 def compute_lower_bound(cfg: Any, lay: Any, part: Any, dev: Device, facts: ParamFacts, layer_times: Any,
                         skew: float, opt_times: dict[str, float] | None) -> float:
-    """A lower bound on :func:`k3train.planning.step_time.predict.predict`: per pipeline rank, its own work (at the best rate its replicas allow)
+    """A lower bound on :func:`~k3train.planning.step_time.predict.predict`: per pipeline rank, its own work (at
+    the best rate its replicas allow)
     after the first micro-batch's forward through the stages before its first and before that micro-batch's
     backward back through them -- or one micro-batch's forward + backward chain through all virtual stages,
     whichever is longest -- plus the worst stage's optimizer share. Under F/B pairing a rank's work takes at

@@ -8,7 +8,7 @@ Per virtual stage and micro-batch (``B = micro_batch_size`` rows of ``T = seq_le
   LM head + MTP) x ``B*T`` at the device's achievable FLOP/s, backward = 2 x forward; the MLA attention term is taken
   at the slowest context-parallel rank's mean context: ``T_full / 2`` on every rank under ``parallel.mla_cp_balance``
   (kcp/mla_cp.py), else the LAST rank's ``T_full - T/2``. ``--device cpu`` --
-  measured per-layer times (:mod:`k3train.planning.layer_bench`). Full recomputation adds the forward to the
+  measured per-layer times (:mod:`k3train.planning.calibration.layer_bench`). Full recomputation adds the forward to the
   backward. Plain EP (no MoonEP) multiplies the routed-expert share of a MoE layer by the routing skew (the most
   loaded EP rank's load over the mean; ``--ep-skew``, default 1.5 -- about what QB leaves early in training, see
   ``moe_maxvio`` in metrics.jsonl); MoonEP computes exactly ``N*k`` rows on every rank (skew 1).
@@ -26,16 +26,16 @@ Per virtual stage and micro-batch (``B = micro_batch_size`` rows of ``T = seq_le
   output, ``B x T/2 x d`` with the partner rank ``cp-1-r``, the CP group's link); KCP's short-convolution halo
   and per-micro-batch layout exchange; the MTP layer's on the last stage. Ring formulas (``(n-1)`` latency
   steps, ``(n-1)/n x bytes`` per rank) on the link the group spans, plus ``Device.call_cost(kind)`` per call
-  (cpu: what a small all-reduce costs while every rank of the host computes, ``devices.bench_loaded_collective``:
+  (cpu: what a small all-reduce costs while every rank of the host computes, ``calibration.cpu_bench.bench_loaded_collective``:
   with more ranks than cores a collective waits for descheduled peers; GPUs: 0).
-* p2p: the cached AttnRes plan's payload per boundary (``memory.plan_bytes``) over the link between the two ranks.
+* p2p: the cached AttnRes plan's payload per boundary (``memory.buffers.plan_bytes``) over the link between the two ranks.
 
 The schedule: :func:`parallel.pipeline.p2p.build_programs` gives every pipeline rank's real program (receives
 posted, computes, sends); :func:`simulate_programs` executes those programs event by event -- a compute starts
 when its inputs have arrived, a send occupies its link -- so the bubble is the real schedule's. On a CPU the ranks
 of the host share its cores: while ``n`` ranks compute (every busy pipeline rank times its dp x cp replicas), each
-runs at ``Device.rank_speed(n)`` -- measured on this host (``devices.bench_concurrency``; ``tools/plan.py`` takes
-the curve of n copies of this config's real one-process trainer stepping at once, ``anchor.concurrency_curve``),
+runs at ``Device.rank_speed(n)`` -- measured on this host (``calibration.cpu_bench.bench_concurrency``; ``tools/plan.py`` takes
+the curve of n copies of this config's real one-process trainer stepping at once, ``calibration.anchor_run.concurrency_curve``),
 which is below plain processor sharing ``min(1, cores / n)``: ranks also compete for caches and memory bandwidth,
 and past the core count the scheduler's switching costs more. An action's in-action communication follows its
 compute at wall speed (its per-call costs were measured while every rank computes) and the rank waiting in it does
@@ -45,7 +45,7 @@ Gradients (parameter dtype) over ``dp_cp`` (dense) and ``edp`` (routed experts),
 last backward ends (overlapping the rest of the pipeline): all-reduced at ZeRO 0/1, reduced to owners at ZeRO-2;
 after the pipeline, the optimizer (Muon Newton-Schulz FLOPs + elementwise bytes; on cpu measured per parameter),
 balanced over owners at ZeRO >= 1 (not below the largest parameter); ZeRO >= 1 then broadcasts the updated
-parameters (all-gather bytes). ``--device cpu``: the trainer anchor (:class:`~k3train.planning.layer_bench.
+parameters (all-gather bytes). ``--device cpu``: the trainer anchor (:class:`~k3train.planning.calibration.layer_times.
 TrainerAnchor`, one real one-process run of the config on this host) scales the measured layer and optimizer
 times to what the trainer takes, and adds the gradient norm's own work (the rank's share of the parameters) and the
 step's host work outside the timed phases (``Prediction.host``). Ranks are placed in ``ParallelDims``' order, ``gpus_per_node`` per node; a group

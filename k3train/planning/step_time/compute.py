@@ -9,8 +9,8 @@ from parallel.pipeline.partition import embed_cost, head_cost, layer_cost
 
 
 def anchor_of(layer_times: Any, cfg: Any) -> Any:
-    """The :class:`~k3train.planning.layer_bench.TrainerAnchor` of ``cfg`` on this host (cpu with a plan's config),
-    or None."""
+    """The :class:`~k3train.planning.calibration.layer_times.TrainerAnchor` of ``cfg`` on this host (cpu with a
+    plan's config), or None."""
     return layer_times.anchor(cfg) if layer_times is not None and hasattr(layer_times, "anchor") else None
 
 

@@ -67,6 +67,10 @@ def layer_terms(cfg: Any, dev: Device, lay: Any, layer_times: Any, skew: float) 
 
 def action_costs(cfg: Any, dev: Device, lay: Any, part: Any, plan: Any, layer_times: Any,
                  skew: float) -> ActionCosts:
+    """Per virtual stage of ``part``: its forward and backward compute of one micro-batch (the embedding on the
+    first, the head and the MTP layer on the last), their exposed in-action communication (under recompute the
+    forward's again in the backward) and by kind; per pipeline boundary of ``plan``: a message's latency and
+    transfer seconds over the link between the two ranks."""
     (emb, layers, head), (cf, cb), kinds, _ = layer_terms(cfg, dev, lay, layer_times, skew)
     n = part.num_stages
     f, b, fc, bc, ck = [], [], [], [], []

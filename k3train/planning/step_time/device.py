@@ -20,7 +20,7 @@ class Device:
     lat_intra: float = 5e-6    # seconds per message / ring step inside a node
     lat_inter: float = 12e-6   # across nodes
     call_lat: dict[str, float] = field(default_factory=dict)  # per collective kind: seconds per call on top of its
-    #                             ring steps (cpu: waiting for busy peers, devices.bench_loaded_collective; GPUs: none)
+    #                             ring steps (cpu: waiting for busy peers, cpu_bench.bench_loaded_collective; GPUs: none)
     compute_eff: float = 0.55
     link_eff: float = 0.8
     hbm_eff: float = 0.8

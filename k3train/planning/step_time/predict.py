@@ -132,4 +132,6 @@ def _small_collectives_s(lay: Any, dev: Device) -> float:
     n = lay.pp * lay.dp * lay.cp
     lat_all, _ = group_link(range(n), dev)
     calls = 6 + (3 if lay.pp > 1 else 0)
-    return calls * (dev.call_cost("all_reduce") + 2 * max(1, math.ceil(math.log2(max(2, n)))) * lat_all) if n > 1 else 0.0
+    if n <= 1:
+        return 0.0
+    return calls * (dev.call_cost("all_reduce") + 2 * max(1, math.ceil(math.log2(max(2, n)))) * lat_all)
