@@ -30,6 +30,8 @@ import importlib.util
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable
 
+from k3train.config.kernels import BACKENDS, OPS, check_kernel_names, kernel_settings
+
 if TYPE_CHECKING:
     import torch
     from torch import nn
@@ -40,12 +42,6 @@ __all__ = ["OPS", "BACKENDS", "Installed", "Target", "KernelChoice", "KernelSett
            "kernel_settings", "target_for", "check_kernel_names", "check_kernel_settings", "apply_kernels",
            "describe_kernels"]
 
-OPS = ("kda", "mla", "experts")
-BACKENDS: dict[str, tuple[str, ...]] = {
-    "kda": ("auto", "torch", "fla"),
-    "mla": ("auto", "dense", "blockwise", "flex"),
-    "experts": ("auto", "grouped_mm", "padded_bmm", "loop"),
-}
 FLA_MAX_HEAD_DIM = 256  # fla's chunk_kda asserts K <= 256
 
 
@@ -124,11 +120,6 @@ _LABELS = {
     ("experts", "padded_bmm"): "padded bmm (torch)",
     ("experts", "loop"): "per-expert loop reference (torch)",
 }
-
-
-def kernel_settings(train_cfg: Any) -> dict[str, str]:
-    """``{op: setting}`` from ``train.kda_kernel`` / ``train.mla_kernel`` / ``train.experts_kernel``."""
-    return {op: str(getattr(train_cfg, f"{op}_kernel", "auto")) for op in OPS}
 
 
 def target_for(cfg: Any, device: torch.device | str | None = None) -> Target:
@@ -249,15 +240,6 @@ def choose_kernels(settings: dict[str, str], target: Target, installed: Installe
 
 # forced backends that run wherever k3train runs (no probing needed)
 _ALWAYS = {"auto", "torch", "dense", "padded_bmm", "loop"}
-
-
-def check_kernel_names(train_cfg: Any) -> tuple[str, str] | None:
-    """For the config validator (no torch, no probing): ``(key, message)`` of the first ``train.<op>_kernel``
-    that is not one of its op's backends, else None."""
-    for op, want in kernel_settings(train_cfg).items():
-        if want not in BACKENDS[op]:
-            return f"train.{op}_kernel", f"must be one of {', '.join(BACKENDS[op])}, got {want!r}"
-    return None
 
 
 def check_kernel_settings(cfg: Any) -> tuple[str, str] | None:
