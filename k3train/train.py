@@ -20,7 +20,7 @@ EXIT_RUN_FAILED = 1  # a collective failed: a peer rank died or stalled (resume 
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
-    ap = OneLineParser(prog="k3train.train", description=__doc__, name_command=False,
+    ap = OneLineParser(prog="k3train.train", description=__doc__, name_command=False, rank_of_run=True,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="YAML run config (configs/tiny.yaml, configs/small.yaml, ...)")
     ap.add_argument("--check", action="store_true",
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = validate_run(args.config, overrides, world_size)
     except Exception as e:  # only bad input and "nothing to do" are handled; anything else is a bug: re-raised
         if is_bad_input(e):
-            return report_bad_input(e)
+            return report_bad_input(e, rank_of_run=True)
         from k3train.checkpoint.resume import NothingToDo  # noqa: PLC0415 - lazy: it loads torch
 
         if not isinstance(e, NothingToDo):
@@ -98,7 +98,7 @@ def run_training(cfg) -> int:  # noqa: ANN001 - a validated k3train.config.Confi
             from k3train.runtime.process_groups import shutdown  # noqa: PLC0415 - lazy: torch, as above
 
             shutdown()
-            return report_bad_input(e)
+            return report_bad_input(e, rank_of_run=True)
         rank = trainer.env.rank if trainer is not None else int(os.environ.get("RANK", "0"))
         line = watch.failure_line(e, rank)
         if line is None:

@@ -210,7 +210,7 @@ def export_rank_main() -> int:
         a.max_shard_bytes = _size(a.max_shard_size)
     except Exception as e:
         if is_bad_input(e) and os.environ.get("RANK", "0") == "0":
-            return report_bad_input(e)
+            return report_bad_input(e)  # as a launcher would: the other ranks raise (and torchrun reports them)
         raise
     return run_export(cfg, a)
 

@@ -39,12 +39,15 @@ def is_bad_input(e: BaseException) -> bool:
                                              for mod, name in BAD_INPUT_CLASSES)
 
 
-def report_bad_input(message: object) -> int:
+def report_bad_input(message: object, *, rank_of_run: bool = False) -> int:
     """Print the one ``k3train: error: ...`` line for bad input (whitespace folded to one line) and return the
-    exit code. Under torchrun only global rank 0 prints it (also into torchrun's error file); the other ranks wait
-    for torchrun's teardown instead of exiting first."""
+    exit code. A launcher or a one-process command prints it; in a rank of a run (``rank_of_run``: every rank
+    reaches the same error) only global rank 0 prints it, also into torchrun's error file, and the other ranks
+    wait for torchrun's teardown instead of exiting first."""
     line = f"k3train: error: {' '.join(str(message).split())}"
-    if os.environ.get("RANK", "0") == "0":
+    if not rank_of_run:
+        print(line, file=sys.stderr, flush=True)
+    elif os.environ.get("RANK", "0") == "0":
         print(line, file=sys.stderr, flush=True)
         write_elastic_error_file(line)
     elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -69,11 +72,13 @@ def write_elastic_error_file(line: str) -> None:
 
 class OneLineParser(argparse.ArgumentParser):
     """An argument parser whose errors are the one bad-input line (exit 2) instead of usage + message. The line
-    names the command (``prog``) unless ``name_command=False``."""
+    names the command (``prog``) unless ``name_command=False``; ``rank_of_run``: as :func:`report_bad_input`'s."""
 
-    def __init__(self, *args, name_command: bool = True, **kwargs) -> None:  # noqa: ANN002, ANN003
+    def __init__(self, *args, name_command: bool = True, rank_of_run: bool = False,  # noqa: ANN002
+                 **kwargs) -> None:  # noqa: ANN003
         super().__init__(*args, **kwargs)
-        self.name_command = name_command
+        self.name_command, self.rank_of_run = name_command, rank_of_run
 
     def error(self, message: str):  # type: ignore[override] - one line, like every other bad input
-        sys.exit(report_bad_input(f"{self.prog}: {message}" if self.name_command else message))
+        line = f"{self.prog}: {message}" if self.name_command else message
+        sys.exit(report_bad_input(line, rank_of_run=self.rank_of_run))

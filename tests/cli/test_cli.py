@@ -93,7 +93,7 @@ def test_bad_config_is_reported_before_torch_loads(argv, key):
     assert res.stdout.strip() == "no torch"
 
 
-def test_one_bad_input_line_for_every_entry_point(capsys, tmp_path):
+def test_one_bad_input_line_for_every_entry_point(capsys, tmp_path, monkeypatch):
     """k3train/runtime/bad_input.py: the one parser and printer (one line, exit 2) and the bad-input types."""
     from k3train.data.corpus import DataError
     from k3train.reporting.plot import main as plot_main
@@ -120,3 +120,7 @@ def test_one_bad_input_line_for_every_entry_point(capsys, tmp_path):
     for bad in (ConfigError("x"), DataError("x"), ParallelConfigError("x")):
         assert is_bad_input(bad)
     assert not is_bad_input(ValueError("x")) and not is_bad_input(KeyboardInterrupt())
+    monkeypatch.setenv("RANK", "1")  # a rank of a run: only global rank 0 prints; a launcher always does
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert report_bad_input("seen once", rank_of_run=True) == 2 and capsys.readouterr().err == ""
+    assert report_bad_input("launcher") == 2 and capsys.readouterr().err == "k3train: error: launcher\n"
