@@ -1,15 +1,15 @@
 #!/usr/bin/env python
-"""`make bench`: re-measure, on this machine, every performance and accuracy figure the README states, and print
-claimed against measured with the conditions they were measured under.
+"""`make bench`: re-measure, on this machine, every performance and accuracy figure the docs and the dated results
+under benchmarks/results/ claim, and print claimed against measured with the conditions they were measured under.
 
     .venv/bin/python benchmarks/bench_readme.py [--only RUN[,RUN]] [--json FILE] [--logs DIR] [--max-load 0.5] [--force]
     .venv/bin/python benchmarks/bench_readme.py --list          # the claims and runs, nothing measured
 
-The claims (figure, the README's text, the bound a measurement must meet) and the tool invocations that measure
-them live in one place, benchmarks/bench_claims.py. Every run gets ``OMP_NUM_THREADS=1`` (one thread per process, as
-the README's figures were taken), its own temporary directory, and its own ``K3TRAIN_CACHE_DIR`` in it (the
-planner calibrates afresh: the user's cached calibration and MFU peak are neither used nor changed). Each run's
-wall time is printed beside the estimate for an idle 2-core machine (about 35 minutes for all) and its limit.
+The claims (figure, the file and text that state it, the bound a measurement must meet) and the tool invocations
+that measure them live in one place, benchmarks/bench_claims.py. Every run gets ``OMP_NUM_THREADS=1`` (one thread
+per process, as the stated figures were taken), its own temporary directory, and its own ``K3TRAIN_CACHE_DIR`` in
+it (the planner calibrates afresh: the user's cached calibration and MFU peak are neither used nor changed). Each
+run's wall time is printed beside the estimate for an idle 2-core machine (about 35 minutes for all) and its limit.
 
 A busy machine makes every timing wrong, so the script refuses (one line, exit 2) when, before it starts, the
 1-minute load average is above ``--max-load`` (default 0.5: half a core of other work on average; it first waits
@@ -273,7 +273,7 @@ class Report:
 
     def as_json(self) -> dict[str, Any]:
         claims = [{"key": r.claim.key, "run": r.claim.run, "figure": r.claim.figure, "claimed": r.claimed,
-                   "op": r.claim.op, "bound": r.bound, "readme": r.claim.readme,
+                   "op": r.claim.op, "bound": r.bound, "file": r.claim.file, "text": r.claim.text,
                    "measured": None if r.measure is None or not math.isfinite(r.measure.value) else r.measure.value,
                    "measured_text": r.measure.text if r.measure else None,
                    "detail": r.measure.detail if r.measure else r.note, "within": r.within} for r in self.rows]
@@ -331,7 +331,7 @@ def list_claims() -> str:
     lines.append(f"claims (after '/': the bound beside a one-thread matmul over {FAST_MATMUL_GFLOPS:g} GFLOP/s):")
     for c in CLAIMS:
         alt = f" / {c.fast_matmul_bound:g}{c.unit}" if c.fast_matmul_bound is not None else ""
-        lines.append(f"  {c.key:<22} {c.run:<15} {c.op} {c.bound:g}{c.unit}{alt}   README: {c.readme!r}")
+        lines.append(f"  {c.key:<22} {c.run:<15} {c.op} {c.bound:g}{c.unit}{alt}   {c.file}: {c.text!r}")
     return "\n".join(lines)
 
 
