@@ -57,7 +57,7 @@ FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "am
 # ---------------------------------------------------------------------------------------------------------------
 def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
     """Best one-thread fp32 ``n x n`` matmul rate of this host (GFLOP/s)."""
-    import torch
+    import torch  # lazy: --list and a refusal on a busy machine answer without loading torch
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -76,7 +76,7 @@ def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
 
 def host_conditions() -> dict[str, Any]:
     """What a measurement depends on: CPU and its vector units, cores, torch, the matmul rate, date, commit."""
-    import torch
+    import torch  # lazy: --list and a refusal on a busy machine answer without loading torch
 
     model, flags = "", set()
     try:
@@ -227,7 +227,7 @@ def execute(run: Run, tmp: Path, timeout_s: float) -> Outcome:
     """``run`` with this interpreter in the checkout, its own process group (killed whole at the limit)."""
     argv = [sys.executable, *(a.replace("{tmp}", str(tmp)) for a in run.argv)]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    from k3train.runtime.process_groups import child_pythonpath  # noqa: PLC0415
+    from k3train.runtime.process_groups import child_pythonpath  # noqa: PLC0415 # lazy: the module loads torch
     env.update(OMP_NUM_THREADS="1", K3TRAIN_CACHE_DIR=str(tmp / "cache"), WANDB_MODE="disabled",
                PYTHONPATH=child_pythonpath(ROOT))
     (tmp / "cache").mkdir(parents=True, exist_ok=True)
