@@ -39,6 +39,7 @@ import torch
 from k3train.data.batch import Batch
 from k3train.data.corpus import DataError
 from k3train.data.dataset import build_gpt_datasets, sample_tokens
+from k3train.data.multimodal.dataset import build_multimodal_dataset
 from k3train.data.tokenizer import TextTokenizer, load_config_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -93,8 +94,6 @@ class GlobalBatchLoader:
         # the same way on every rank, no collective)
         self.multimodal = getattr(cfg.data, "format", "text") == "multimodal"
         if self.multimodal:
-            from k3train.data.multimodal.dataset import build_multimodal_dataset
-
             self.dataset = build_multimodal_dataset(cfg, self.tokenizer, split, num_samples[split])
         else:
             # build only the split this loader reads: an unread split, however small, must not fail the run

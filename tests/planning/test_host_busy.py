@@ -1,4 +1,4 @@
-"""k3train/planning/host_busy.py and tools/plan.py's rule for a calibration taken beside other work: other
+"""k3train/planning/calibration/host_busy.py and tools/plan.py's rule for a calibration taken beside other work: other
 processes' CPU is seen (a busy process that is not ours), and a calibration disturbed by it is put back as it was,
 while an undisturbed one is kept with its conditions recorded."""
 import json

@@ -64,7 +64,7 @@ def test_known_data_keeps_indices_real_and_routing_balanced():
 
 def test_another_thread_is_booked_inside_on_this_thread():
     """The mode is thread-local (F/B pairing's worker thread allocates outside it): ``on_this_thread`` books what
-    another thread creates, in the same counts (k3train.planning.measure wraps the pair worker with it)."""
+    another thread creates, in the same counts (k3train.planning.calibration.measure_memory wraps the pair worker with it)."""
     import threading
 
     lb = LiveBytes()

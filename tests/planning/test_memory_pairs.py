@@ -1,4 +1,4 @@
-"""k3train/planning/memory.py under F/B pairing (``parallel.overlap_ep``): the schedule walk follows the program the
+"""k3train/planning/memory/ under F/B pairing (``parallel.overlap_ep``): the schedule walk follows the program the
 runner executes (pp = 1: F(0), F(m+1) with B(m), B(M-1); pp > 1: ``pair_programs``), a pair holding the F's peak
 while the B has freed its share of the micro-batch (``walk_schedule``'s docstring), plus the F's trailing receives
 posted at its end; without pairing the walk is the unpaired one."""

@@ -1,4 +1,4 @@
-"""k3train/planning/step_time.py's model of F/B pairing (parallel.overlap_ep): a paired action's two phase sequences
+"""k3train/planning/step_time/'s model of F/B pairing (parallel.overlap_ep): a paired action's two phase sequences
 on one compute unit and one link, and the prediction of a pp = 1 layout with and without pairing."""
 from __future__ import annotations
 
