@@ -72,16 +72,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"k3train: error: {e}", file=sys.stderr)
             return 2
         raise
-    planner, res, lt = run["planner"], run["res"], run["lt"]
+    planner, res, lt, dev = run.planner, run.res, run.lt, run.dev
     ref_row = _place_reference(args, overrides, ref_over, planner, res)
     ranked = res.ranked()
     chosen = ranked[0] if ranked else None
     picks = _measure_picks(args, planner, res) if args.measure else []
-    cal_note = _keep_calibration(run["cal_file"], run["cal_before"], run["others"], lt) if run["dev"].is_cpu else None
+    cal_note = _keep_calibration(run.cal_file, run.cal_before, run.others, lt) if dev.is_cpu else None
     if cal_note:
         res.notes.append(cal_note)
     if args.measure:
-        _measure(args, overrides, picks, run["dev"], log)
+        _measure(args, overrides, picks, dev, log)
         ranked = res.ranked()  # the picks traced layouts the budget had left out: they compete too
         chosen = ranked[0] if ranked else None
     if chosen is not None:  # its exposed communication by kind, pipeline transfers included (one simulation more)
@@ -91,7 +91,6 @@ def main(argv: list[str] | None = None) -> int:
 
         plot(res, args.plot, chosen, ref_row)
     if args.json:
-        dev = run["dev"]
         print(json.dumps({"world_size": args.world_size, "device": _dev_json(res.device),
                           "candidates_checked": res.candidates, "seconds": res.seconds, "notes": res.notes,
                           "chosen": chosen.as_json(res.base_cfg, res.world, dev.peak_flops) if chosen else None,
@@ -125,9 +124,21 @@ def _checked(args: argparse.Namespace, overrides: list[str]) -> list[str]:
     return ref_over
 
 
-def _plan(args: argparse.Namespace, overrides: list[str], log: Any) -> dict[str, Any]:
-    """Enumerate, calibrate (cpu) and plan: the planner, its result, the device and layer timings, and what
-    :func:`_keep_calibration` needs."""
+@dataclasses.dataclass
+class _Planned:
+    """A plan's planner and result, the device and layer timings it used, and what :func:`_keep_calibration` needs
+    (the calibration file, its bytes before the plan, the other processes' CPU since)."""
+    planner: Any
+    res: Any
+    dev: Any
+    lt: Any
+    cal_file: Path
+    cal_before: bytes | None
+    others: Any
+
+
+def _plan(args: argparse.Namespace, overrides: list[str], log: Any) -> _Planned:
+    """Enumerate, calibrate (cpu) and plan."""
     # lazy: torch is not loaded before the command line and the config are checked (bad input: one line, fast)
     from k3train.planning.calibration.devices import get_device
     from k3train.planning.calibration.host import cache_path  # lazy: as above
@@ -166,8 +177,7 @@ def _plan(args: argparse.Namespace, overrides: list[str], log: Any) -> dict[str,
                       pairs=pairs)
     planner.enum_s = t_enum
     res = planner.run()
-    return {"planner": planner, "res": res, "dev": dev, "lt": lt, "cal_file": cal_file, "cal_before": cal_before,
-            "others": others}
+    return _Planned(planner, res, dev, lt, cal_file, cal_before, others)
 
 
 def _place_reference(args: argparse.Namespace, overrides: list[str], ref_over: list[str], planner: Any,
