@@ -5,10 +5,10 @@ import json
 import torch
 
 from k3train.config import load_config
+from k3train.config.presets import tiny_model_config as tiny_cfg
 from k3train.model import K3Model, SeqInfo
 from k3train.model.flops import active_matmul_params, model_flops_per_token, param_breakdown
 from tools.count_params import count, main
-from helpers import tiny_cfg
 
 
 def test_k3_counts_match_published():

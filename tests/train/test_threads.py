@@ -9,7 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dist_helpers import free_port, run_distributed
+from dist_helpers import run_distributed
+from k3train.runtime.local_workers import free_port
 from k3train.runtime.process_groups import child_pythonpath, choose_num_threads, cores_available
 
 ROOT = Path(__file__).resolve().parents[2]
