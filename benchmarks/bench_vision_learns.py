@@ -84,8 +84,25 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+import torch.nn.functional as F
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from k3train.data.multimodal.dataset import build_multimodal_dataset  # noqa: E402
+from k3train.data.multimodal.prepare import prepare_multimodal  # noqa: E402
+from k3train.data.multimodal.shards import read_energon  # noqa: E402
+from k3train.data.multimodal.shipped import COLORS, build_samples, build_shipped_shards  # noqa: E402
+from k3train.data.multimodal.validate import vision_geometry  # noqa: E402
+from k3train.data.multimodal.vl_tokenizer import MEDIA_END, MEDIA_PAD  # noqa: E402
+from k3train.data.tokenizer import load_config_tokenizer  # noqa: E402
+from k3train.model.media import MediaInputs  # noqa: E402
+from k3train.model.vit_tower import VisionTower  # noqa: E402
+from k3train.preflight import is_bad_input, validate_run  # noqa: E402
+from k3train.trainer import Trainer  # noqa: E402
+from parallel.pipeline.loss_norm import LossNorm  # noqa: E402
 
 # a valid split of ~10% of the corpus's documents; one micro-batch per step (the gradient of the config's 4 x 2
 # rows, ~25% faster on one core); user overrides win
@@ -102,8 +119,6 @@ STEPS, EVAL_EVERY, MIN_GAP = 150, 50, 0.1
 
 
 def _templates() -> tuple[re.Pattern, re.Pattern, re.Pattern, re.Pattern]:
-    from k3train.data.multimodal.shipped import COLORS
-
     picture = re.compile(r"^ A (\w+) (\w+)\.\n?$")  # shipped.shape_picture's caption
     clip = re.compile(r"^ A (\w+) (\w+) moves (\w+) over \d+ frames\.")  # shipped.clip_frames' caption
     fill = re.compile(r'fill="(%s)"' % "|".join(map(re.escape, COLORS)))  # the random palette only
@@ -138,8 +153,6 @@ def document_image_tags(tok: Any, kind: str, sequence: list[Any], doc: Any, medi
     """``[len(doc)]`` bool: the tokens of the prepared document ``doc`` that belong to an image-dependent word.
     Re-tokenizes the shard ``sequence`` as preparation does (each text element on its own; the media spans at
     ``media_spans``, EOS last) and raises if that does not give ``doc`` back."""
-    import numpy as np
-
     ids: list[int] = []
     tags: list[bool] = []
     spans = iter(media_spans)
@@ -167,8 +180,6 @@ def text_after_media_mask(batch: Any, media_end_id: int, first_special_media_id:
                           special_ids: set[int]) -> Any:
     """``[B, T]`` float mask of the labels to score: text tokens (below the media ids, not a special token)
     after the first ``media_end_id`` token of their document, where the batch's own loss mask is on."""
-    import torch
-
     tokens, labels, doc = batch.tokens, batch.labels, batch.doc_ids
     seen = torch.zeros_like(tokens, dtype=torch.bool)
     for b in range(tokens.shape[0]):  # per row, per document: after its first media end
@@ -182,8 +193,6 @@ def text_after_media_mask(batch: Any, media_end_id: int, first_special_media_id:
 
 def pixel_stats(medias: list[Any]) -> tuple[Any, Any]:
     """Per-channel ``(mean [3], std [3])`` of every pixel value of ``medias`` (``MediaInputs``) together."""
-    import torch
-
     px = torch.cat([m.pixel_values.double().transpose(0, 1).reshape(3, -1) for m in medias], dim=1)
     return px.mean(1), px.std(1)
 
@@ -192,10 +201,6 @@ def noise_like(media: Any, seed: int, mean: Any, std: Any) -> Any:
     """``media`` with every pixel value replaced by Gaussian noise of per-channel ``mean`` / ``std`` (``[3]``;
     :func:`pixel_stats` of the whole evaluation set: statistics that say nothing about one media); the shapes and
     ``grid_thw`` are kept."""
-    import torch
-
-    from k3train.model.media import MediaInputs
-
     g = torch.Generator().manual_seed(seed)
     px = media.pixel_values
     z = torch.randn(px.shape, generator=g, dtype=torch.float64)
@@ -205,8 +210,6 @@ def noise_like(media: Any, seed: int, mean: Any, std: Any) -> Any:
 
 def shipped_counts() -> dict[str, int]:
     """The shipped corpus's sample counts per kind (``build_samples``' defaults): ``{"video": 40, ...}``."""
-    from k3train.data.multimodal.shipped import build_samples
-
     return {k[2:]: p.default for k, p in inspect.signature(build_samples).parameters.items() if k.startswith("n_")}
 
 
@@ -214,10 +217,6 @@ def build_corpus(cfg: Any, tok: Any, root: Path, counts: dict[str, int], seed: i
     """``(prefix, shard dir)``: the shipped generator's corpus with ``counts`` (``n_picture`` / ``n_video`` /
     ``n_ocr`` / ``n_code``) samples, built and prepared in ``root`` like ``tools/prepare_data.py --shipped-multimodal``
     (config's tokenizer, media limit and patch geometry)."""
-    from k3train.data.multimodal.prepare import prepare_multimodal
-    from k3train.data.multimodal.shipped import build_shipped_shards
-    from k3train.data.multimodal.validate import vision_geometry
-
     wds, prefix = root / "mm_wds", root / "mm"
     build_shipped_shards(wds, seed, **counts)
     patch, merge = vision_geometry(cfg)
@@ -230,10 +229,6 @@ def break_vision(modules: list[Any], how: str) -> list[int]:
     :class:`k3train.model.vit_tower.VisionTower` (encoder + merge + projector) returns zeros of its output's shape,
     so the placeholders' embeddings no longer depend on the pixels (and no gradient reaches the tower). Returns a
     one-element list counting the hook's calls (the caller checks it ran)."""
-    import torch
-
-    from k3train.model.vit_tower import VisionTower
-
     if how != "zero-encoder":
         raise ValueError(f"--break-vision: unknown {how!r} (none, zero-encoder)")
     calls = [0]
@@ -265,13 +260,6 @@ class EvalSet:
 
 def eval_set(cfg: Any, tok: Any, shard_dir: Path, rows: int, mbs: int) -> EvalSet:
     """The first ``rows`` rows (0: all) of the valid split as micro-batches, with every group's label mask."""
-    import numpy as np
-    import torch
-
-    from k3train.data.multimodal.dataset import build_multimodal_dataset
-    from k3train.data.multimodal.shards import read_energon
-    from k3train.data.multimodal.vl_tokenizer import MEDIA_END, MEDIA_PAD
-
     ds = build_multimodal_dataset(cfg, tok, "valid", None)
     media_end, media_pad = tok._tok.token_to_id(MEDIA_END), tok._tok.token_to_id(MEDIA_PAD)
     if media_end is None or media_pad is None:
@@ -335,11 +323,6 @@ def token_ce(trainer: Any, es: EvalSet, noise: bool) -> list[Any]:
     """Per-label cross-entropy ``[B, T]`` of every micro-batch (``noise``: with :func:`noise_like` media), forward
     only through the runner with the model in eval mode. The LM head's input is read by a hook on the model's
     final norm; the masked sum is checked against the runner's ``lm_loss_sum``."""
-    import torch
-    import torch.nn.functional as F
-
-    from parallel.pipeline.loss_norm import LossNorm
-
     pm = trainer.pm
     model = pm.model
     modes = [m.training for m in pm.modules]
@@ -375,8 +358,6 @@ def token_ce(trainer: Any, es: EvalSet, noise: bool) -> list[Any]:
 
 def group_stats(es: EvalSet, real: list[Any], noise: list[Any]) -> dict[str, dict[str, float]]:
     """Per group: mean ``real`` / ``noise`` CE, ``gap``, its document-clustered standard error ``se``, ``tokens``."""
-    import torch
-
     out = {}
     for g in GROUPS:
         m = torch.cat([mk[g].reshape(-1) for mk in es.masks])
@@ -461,8 +442,6 @@ def main(argv: list[str] | None = None) -> int:
                     "removed)")
     ap.add_argument("--json", action="store_true")
     args, overrides = ap.parse_known_args(argv)
-    from k3train.preflight import is_bad_input, validate_run
-
     t0 = time.perf_counter()
     tmp = tempfile.TemporaryDirectory(prefix="k3vision_") if not args.out else None
     out = Path(args.out or tmp.name)
@@ -481,23 +460,17 @@ def main(argv: list[str] | None = None) -> int:
             cfg = validate_run(args.config, run, world_size=1, for_training=False)
             if cfg.data.format != "multimodal" or not cfg.vision.enabled:
                 raise ValueError(f"{args.config}: needs data.format=multimodal and vision.enabled=true")
-            from k3train.data.tokenizer import load_config_tokenizer
-
             tok = load_config_tokenizer(cfg)
             prefix, wds = build_corpus(cfg, tok, out / "data", counts, args.corpus_seed)
             t_data = time.perf_counter() - t0
             cfg = validate_run(args.config, [*run, f"--data.path={prefix}"], world_size=1)
             es = eval_set(cfg, tok, wds, args.eval_rows, cfg.train.micro_batch_size)
-            from k3train.data.multimodal.dataset import build_multimodal_dataset
-
             train_rows = len(build_multimodal_dataset(cfg, tok, "train", None))  # one epoch
         except Exception as e:  # noqa: BLE001
             if not (is_bad_input(e) or isinstance(e, ValueError)):
                 raise
             print(f"k3train: error: {e}", file=sys.stderr)
             return 2
-        from k3train.trainer import Trainer
-
         read = args.steps * cfg.train.global_batch_size
         head = {"config": args.config, "steps": args.steps, "break_vision": args.break_vision,
                 "corpus_counts": counts, "corpus_seed": args.corpus_seed,

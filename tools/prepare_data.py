@@ -43,8 +43,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from k3train.data.corpus import DEFAULT_CORPUS, DataError  # noqa: E402
+from k3train.data.multimodal.prepare import prepare_multimodal  # noqa: E402
+from k3train.data.multimodal.shipped import build_shipped_shards  # noqa: E402
+from k3train.data.multimodal.vl_tokenizer import MEDIA_PAD, VL_TOKENIZER  # noqa: E402
+from k3train.data.prepare import prepare, train_tokenizer  # noqa: E402
 from k3train.data.tokenizer import (BOS, DEFAULT_TOKENIZER, DEFAULT_VOCAB_SIZE, EOS, PAD,  # noqa: E402
-                                    SpecialTokens, vocab_shortfall)
+                                    SpecialTokens, load_tokenizer, vocab_shortfall)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,8 +88,6 @@ def main(argv: list[str] | None = None) -> int:
     if not a.train_tokenizer and not a.output_prefix:
         ap.error("nothing to do: give --output-prefix and/or --train-tokenizer")
 
-    from k3train.data.prepare import prepare, train_tokenizer
-
     special = SpecialTokens(a.bos_token, a.eos_token, a.pad_token, a.media_token)
     try:
         if a.train_tokenizer:
@@ -111,21 +113,14 @@ def main(argv: list[str] | None = None) -> int:
 def prepare_multimodal_main(ap: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     if not a.output_prefix:
         ap.error("--multimodal / --shipped-multimodal need --output-prefix")
-    from k3train.data.multimodal.vl_tokenizer import MEDIA_PAD, VL_TOKENIZER  # noqa: PLC0415
-
     if a.shipped_multimodal:
         a.tokenizer = a.tokenizer or str(VL_TOKENIZER)
         a.media_token = a.media_token or MEDIA_PAD
     if not a.tokenizer or not a.media_token:
         ap.error("--multimodal needs --tokenizer and --media-token (the tokenizer's media placeholder)")
-    from k3train.data.multimodal.prepare import prepare_multimodal  # noqa: PLC0415
-    from k3train.data.tokenizer import load_tokenizer  # noqa: PLC0415
-
     try:
         t0 = time.perf_counter()
         if a.shipped_multimodal:
-            from k3train.data.multimodal.shipped import build_shipped_shards  # noqa: PLC0415
-
             a.multimodal = a.multimodal or f"{a.output_prefix}_wds"
             n = build_shipped_shards(a.multimodal)
             print(f"wrote the shipped multimodal corpus: {n} samples in {a.multimodal} "
