@@ -421,7 +421,7 @@ def print_table(evals: list[dict[str, Any]]) -> None:
         print(f"{e['step']:>6} {tl:>7} | " + " ".join(cells) + f" {e['seconds']:>6.1f}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="benchmarks/bench_vision_learns.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     ap.add_argument("--config", default=str(ROOT / "configs" / "tiny-vl.yaml"))
@@ -441,74 +441,93 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="", help="directory for the corpus and the run (default: a temporary one, "
                     "removed)")
     ap.add_argument("--json", action="store_true")
-    args, overrides = ap.parse_known_args(argv)
+    return ap
+
+
+def _prepare(args: argparse.Namespace, overrides: list[str], out: Path, t0: float) -> tuple[Any, EvalSet, dict]:
+    """Check the arguments, build and prepare the corpus, read the evaluation set: the run's config, the set and
+    the run's description (bad input raises before any training)."""
+    if args.steps < 1 or args.eval_every < 1 or args.eval_rows < 0:
+        raise ValueError("--steps and --eval-every must be >= 1, --eval-rows >= 0")
+    counts = {f"n_{k}": getattr(args, k) for k in CORPUS}
+    if min(counts.values()) < 0 or not sum(counts[f"n_{k}"] for k in IMG_GROUPS):
+        raise ValueError(f"--picture / --video / --ocr / --code must be >= 0, with some of "
+                         f"{', '.join(IMG_GROUPS)} (the kinds with image-dependent words), got {counts}")
+    if any(o.split("=", 1)[0] == "--data.path" for o in overrides):
+        raise ValueError("--data.path: this tool trains on the corpus it builds (--picture, --video, --ocr, "
+                         "--code, --corpus-seed), not on a given dataset")
+    run = [*DEFAULTS, *overrides, *FIXED, f"--train.steps={args.steps}", f"--train.out_dir={out / 'run'}"]
+    cfg = validate_run(args.config, run, world_size=1, for_training=False)
+    if cfg.data.format != "multimodal" or not cfg.vision.enabled:
+        raise ValueError(f"{args.config}: needs data.format=multimodal and vision.enabled=true")
+    tok = load_config_tokenizer(cfg)
+    prefix, wds = build_corpus(cfg, tok, out / "data", counts, args.corpus_seed)
+    t_data = time.perf_counter() - t0
+    cfg = validate_run(args.config, [*run, f"--data.path={prefix}"], world_size=1)
+    es = eval_set(cfg, tok, wds, args.eval_rows, cfg.train.micro_batch_size)
+    train_rows = len(build_multimodal_dataset(cfg, tok, "train", None))  # one epoch
+    read = args.steps * cfg.train.global_batch_size
+    head = {"config": args.config, "steps": args.steps, "break_vision": args.break_vision,
+            "corpus_counts": counts, "corpus_seed": args.corpus_seed,
+            "documents": int(sum(counts.values())), "train_rows_per_epoch": train_rows, "rows_read": read,
+            "epochs_read": read / train_rows, "eval_rows": es.rows,
+            "scored_tokens": {g: es.tokens(g) for g in GROUPS}, "data_s": round(t_data, 1)}
+    return cfg, es, head
+
+
+def _train_and_evaluate(cfg: Any, es: EvalSet, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Train ``args.steps`` steps, evaluating at step 0, every ``args.eval_every`` steps and at the end."""
+    t1 = time.perf_counter()
+    tr = Trainer(cfg)
+    hook_calls = break_vision(tr.pm.modules, args.break_vision) if args.break_vision != "none" else None
+    evals: list[dict[str, Any]] = []
+    losses: list[float] = []
+    try:
+        def evaluate() -> None:
+            groups = group_stats(es, token_ce(tr, es, False), token_ce(tr, es, True))
+            evals.append({"step": tr.step, "groups": groups, "seconds": round(time.perf_counter() - t1, 1),
+                          "train_loss": sum(losses) / len(losses) if losses else math.nan})
+            losses.clear()
+            if not args.json:
+                a, i = groups["all"], groups[PASS_GROUP]
+                print(f"step {tr.step:>5}: all gap {a['gap']:+.4f}  {PASS_GROUP} gap {i['gap']:+.4f} "
+                      f"± {i['se']:.4f}", flush=True)
+
+        evaluate()  # step 0: the control
+        if hook_calls is not None and hook_calls[0] == 0:
+            raise RuntimeError("--break-vision: the hook on the vision tower never ran")
+        while tr.step < args.steps:
+            losses.append(float(tr.train_step().get("loss", math.nan)))
+            if tr.step % args.eval_every == 0 or tr.step == args.steps:
+                evaluate()
+    finally:
+        tr.close()
+    return evals
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = _parser().parse_known_args(argv)
     t0 = time.perf_counter()
     tmp = tempfile.TemporaryDirectory(prefix="k3vision_") if not args.out else None
     out = Path(args.out or tmp.name)
     try:
         try:
-            if args.steps < 1 or args.eval_every < 1 or args.eval_rows < 0:
-                raise ValueError("--steps and --eval-every must be >= 1, --eval-rows >= 0")
-            counts = {f"n_{k}": getattr(args, k) for k in CORPUS}
-            if min(counts.values()) < 0 or not sum(counts[f"n_{k}"] for k in IMG_GROUPS):
-                raise ValueError(f"--picture / --video / --ocr / --code must be >= 0, with some of "
-                                 f"{', '.join(IMG_GROUPS)} (the kinds with image-dependent words), got {counts}")
-            if any(o.split("=", 1)[0] == "--data.path" for o in overrides):
-                raise ValueError("--data.path: this tool trains on the corpus it builds (--picture, --video, --ocr, "
-                                 "--code, --corpus-seed), not on a given dataset")
-            run = [*DEFAULTS, *overrides, *FIXED, f"--train.steps={args.steps}", f"--train.out_dir={out / 'run'}"]
-            cfg = validate_run(args.config, run, world_size=1, for_training=False)
-            if cfg.data.format != "multimodal" or not cfg.vision.enabled:
-                raise ValueError(f"{args.config}: needs data.format=multimodal and vision.enabled=true")
-            tok = load_config_tokenizer(cfg)
-            prefix, wds = build_corpus(cfg, tok, out / "data", counts, args.corpus_seed)
-            t_data = time.perf_counter() - t0
-            cfg = validate_run(args.config, [*run, f"--data.path={prefix}"], world_size=1)
-            es = eval_set(cfg, tok, wds, args.eval_rows, cfg.train.micro_batch_size)
-            train_rows = len(build_multimodal_dataset(cfg, tok, "train", None))  # one epoch
+            cfg, es, head = _prepare(args, overrides, out, t0)
         except Exception as e:  # noqa: BLE001
             if not (is_bad_input(e) or isinstance(e, ValueError)):
                 raise
             print(f"k3train: error: {e}", file=sys.stderr)
             return 2
-        read = args.steps * cfg.train.global_batch_size
-        head = {"config": args.config, "steps": args.steps, "break_vision": args.break_vision,
-                "corpus_counts": counts, "corpus_seed": args.corpus_seed,
-                "documents": int(sum(counts.values())), "train_rows_per_epoch": train_rows, "rows_read": read,
-                "epochs_read": read / train_rows, "eval_rows": es.rows,
-                "scored_tokens": {g: es.tokens(g) for g in GROUPS}, "data_s": round(t_data, 1)}
         if not args.json:
+            counts, read, train_rows = head["corpus_counts"], head["rows_read"], head["train_rows_per_epoch"]
             broken = "" if args.break_vision == "none" else f"; VISION BROKEN: {args.break_vision}"
-            print(f"{args.config}{broken}: corpus {counts} (seed {args.corpus_seed}) built in {t_data:.1f}s; training "
-                  f"reads {read} rows = {read / train_rows:.2f} epochs of the train split ({train_rows} rows)")
+            print(f"{args.config}{broken}: corpus {counts} (seed {args.corpus_seed}) built in {head['data_s']:.1f}s; "
+                  f"training reads {read} rows = {read / train_rows:.2f} epochs of the train split ({train_rows} "
+                  "rows)")
             print(f"scored on {es.rows} valid rows: " + ", ".join(f"{g} {n}" for g, n in
                                                                   head["scored_tokens"].items()) + " tokens",
                   flush=True)
-        t1 = time.perf_counter()
-        tr = Trainer(cfg)
-        hook_calls = break_vision(tr.pm.modules, args.break_vision) if args.break_vision != "none" else None
-        evals: list[dict[str, Any]] = []
-        losses: list[float] = []
-        try:
-            def evaluate() -> None:
-                groups = group_stats(es, token_ce(tr, es, False), token_ce(tr, es, True))
-                evals.append({"step": tr.step, "groups": groups, "seconds": round(time.perf_counter() - t1, 1),
-                              "train_loss": sum(losses) / len(losses) if losses else math.nan})
-                losses.clear()
-                if not args.json:
-                    a, i = groups["all"], groups[PASS_GROUP]
-                    print(f"step {tr.step:>5}: all gap {a['gap']:+.4f}  {PASS_GROUP} gap {i['gap']:+.4f} "
-                          f"± {i['se']:.4f}", flush=True)
-
-            evaluate()  # step 0: the control
-            if hook_calls is not None and hook_calls[0] == 0:
-                raise RuntimeError("--break-vision: the hook on the vision tower never ran")
-            while tr.step < args.steps:
-                losses.append(float(tr.train_step().get("loss", math.nan)))
-                if tr.step % args.eval_every == 0 or tr.step == args.steps:
-                    evaluate()
-        finally:
-            tr.close()
+        evals = _train_and_evaluate(cfg, es, args)
     finally:
         if tmp is not None:
             tmp.cleanup()
@@ -523,7 +542,6 @@ def main(argv: list[str] | None = None) -> int:
         print_table(evals)
         print(line)
     return 0 if ok else 1
-
 
 if __name__ == "__main__":
     sys.exit(main())

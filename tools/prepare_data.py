@@ -51,7 +51,7 @@ from k3train.data.tokenizer import (BOS, DEFAULT_TOKENIZER, DEFAULT_VOCAB_SIZE, 
                                     SpecialTokens, load_tokenizer, vocab_shortfall)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--input", nargs="+", metavar="FILE", help="input .jsonl[.gz] / .txt[.gz] files")
     ap.add_argument("--tokenizer", help="tokenizer.json to use (or to write with --train-tokenizer)")
@@ -77,9 +77,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json-key", default="text", help="document field of .jsonl inputs")
     ap.add_argument("--skip-empty", action="store_true", help="drop empty documents instead of failing")
     ap.add_argument("--batch-size", type=int, default=256, help="documents per tokenizer batch")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
     a = ap.parse_args(argv)
-    if a.multimodal or a.shipped_multimodal:
-        return prepare_multimodal_main(ap, a)
+    try:
+        if a.multimodal or a.shipped_multimodal:
+            prepare_multimodal_main(ap, a)
+        else:
+            prepare_text_main(ap, a)
+    except DataError as e:
+        print(f"k3train: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def prepare_text_main(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if a.shipped_corpus:
         a.input = a.input or [str(DEFAULT_CORPUS)]
         a.tokenizer = a.tokenizer or str(DEFAULT_TOKENIZER)
@@ -89,28 +104,23 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("nothing to do: give --output-prefix and/or --train-tokenizer")
 
     special = SpecialTokens(a.bos_token, a.eos_token, a.pad_token, a.media_token)
-    try:
-        if a.train_tokenizer:
-            t0 = time.perf_counter()
-            tok = train_tokenizer(a.input, a.tokenizer, a.vocab_size, a.json_key, a.skip_empty, special)
-            print(f"trained {tok} in {time.perf_counter() - t0:.1f}s")
-            short = vocab_shortfall(a.vocab_size, tok.vocab_size)
-            if short and a.exact_vocab_size:
-                raise DataError(short)
-            if short:
-                print(f"k3train: notice: {short}", file=sys.stderr, flush=True)
-        if a.output_prefix:
-            t0 = time.perf_counter()
-            info = prepare(a.input, a.tokenizer, a.output_prefix, a.json_key, a.skip_empty, a.batch_size, special)
-            print(f"wrote {a.output_prefix}.bin/.idx: {info.num_documents} documents, {info.num_tokens} tokens "
-                  f"({info.dtype.__name__}) in {time.perf_counter() - t0:.1f}s")
-    except DataError as e:
-        print(f"k3train: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    if a.train_tokenizer:
+        t0 = time.perf_counter()
+        tok = train_tokenizer(a.input, a.tokenizer, a.vocab_size, a.json_key, a.skip_empty, special)
+        print(f"trained {tok} in {time.perf_counter() - t0:.1f}s")
+        short = vocab_shortfall(a.vocab_size, tok.vocab_size)
+        if short and a.exact_vocab_size:
+            raise DataError(short)
+        if short:
+            print(f"k3train: notice: {short}", file=sys.stderr, flush=True)
+    if a.output_prefix:
+        t0 = time.perf_counter()
+        info = prepare(a.input, a.tokenizer, a.output_prefix, a.json_key, a.skip_empty, a.batch_size, special)
+        print(f"wrote {a.output_prefix}.bin/.idx: {info.num_documents} documents, {info.num_tokens} tokens "
+              f"({info.dtype.__name__}) in {time.perf_counter() - t0:.1f}s")
 
 
-def prepare_multimodal_main(ap: argparse.ArgumentParser, a: argparse.Namespace) -> int:
+def prepare_multimodal_main(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if not a.output_prefix:
         ap.error("--multimodal / --shipped-multimodal need --output-prefix")
     if a.shipped_multimodal:
@@ -118,22 +128,17 @@ def prepare_multimodal_main(ap: argparse.ArgumentParser, a: argparse.Namespace) 
         a.media_token = a.media_token or MEDIA_PAD
     if not a.tokenizer or not a.media_token:
         ap.error("--multimodal needs --tokenizer and --media-token (the tokenizer's media placeholder)")
-    try:
-        t0 = time.perf_counter()
-        if a.shipped_multimodal:
-            a.multimodal = a.multimodal or f"{a.output_prefix}_wds"
-            n = build_shipped_shards(a.multimodal)
-            print(f"wrote the shipped multimodal corpus: {n} samples in {a.multimodal} "
-                  f"({time.perf_counter() - t0:.1f}s)")
-        tok = load_tokenizer(a.tokenizer, SpecialTokens(a.bos_token, a.eos_token, a.pad_token, a.media_token))
-        t0 = time.perf_counter()
-        info, n_media = prepare_multimodal(a.multimodal, tok, a.output_prefix, a.max_media_pixels)
-        print(f"wrote {a.output_prefix}.bin/.idx + .media.bin/.media.npy: {info.num_documents} documents, "
-              f"{info.num_tokens} tokens, {n_media} media in {time.perf_counter() - t0:.1f}s")
-    except DataError as e:
-        print(f"k3train: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    t0 = time.perf_counter()
+    if a.shipped_multimodal:
+        a.multimodal = a.multimodal or f"{a.output_prefix}_wds"
+        n = build_shipped_shards(a.multimodal)
+        print(f"wrote the shipped multimodal corpus: {n} samples in {a.multimodal} "
+              f"({time.perf_counter() - t0:.1f}s)")
+    tok = load_tokenizer(a.tokenizer, SpecialTokens(a.bos_token, a.eos_token, a.pad_token, a.media_token))
+    t0 = time.perf_counter()
+    info, n_media = prepare_multimodal(a.multimodal, tok, a.output_prefix, a.max_media_pixels)
+    print(f"wrote {a.output_prefix}.bin/.idx + .media.bin/.media.npy: {info.num_documents} documents, "
+          f"{info.num_tokens} tokens, {n_media} media in {time.perf_counter() - t0:.1f}s")
 
 
 if __name__ == "__main__":
