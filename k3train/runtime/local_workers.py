@@ -92,12 +92,13 @@ def exit_status(code: int | None) -> str:
     return f"exit code {code}"
 
 
-def _redirect_output(log: str, mode: int) -> None:
-    """This process's stdout and stderr (file descriptors 1 and 2) into the file ``log``."""
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | mode)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+def _redirect_output(out: str, err: str, mode: int) -> None:
+    """This process's stdout and stderr (file descriptors 1 and 2) into the files ``out`` and ``err`` (``mode``:
+    ``os.O_APPEND`` or ``os.O_TRUNC``)."""
+    for fd, path in ((1, out), (2, err)):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | mode)
+        os.dup2(f, fd)
+        os.close(f)
 
 
 def _function_rank(rank: int, world_size: int, port: int, payload: bytes, q: Any, collective_timeout_s: float,
@@ -105,7 +106,7 @@ def _function_rank(rank: int, world_size: int, port: int, payload: bytes, q: Any
     """One rank of :func:`run_ranks`: report ``(rank, traceback or None, pickled return value)`` on ``q``."""
     os.environ.clear()  # the caller's environment at the call, not the fork server's
     os.environ.update(env)
-    _redirect_output(log, os.O_APPEND)
+    _redirect_output(log, log, os.O_APPEND)
     os.environ.update(rank_env(rank, world_size, port))
     torch.set_num_threads(threads)
     try:
@@ -250,10 +251,7 @@ def _module_rank(module: str, argv: list[str], env: dict[str, str], cwd: str, ou
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
-    for fd, path in ((1, out), (2, err)):
-        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        os.dup2(f, fd)
-        os.close(f)
+    _redirect_output(out, err, os.O_TRUNC)
     sys.argv = [module, *argv]
     code: object = 0
     try:
