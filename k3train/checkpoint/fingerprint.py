@@ -15,7 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from k3train.config import Config
-from k3train.data.tokenizer import file_sha256
+from k3train.data.tokenizer import tokenizer_sha256
 
 # model fields with no effect on the maths of a run (activation recomputation and chunking only trade memory; the
 # chunk sizes change at most the order of fp32 sums), so a resume may change them to fit another device
@@ -33,7 +33,7 @@ def run_fingerprint(cfg: Config) -> dict[str, Any]:
     out["data.path"] = str(Path(cfg.data.path).resolve())
     out["data.split"] = cfg.data.split
     tok = Path(cfg.data.tokenizer)
-    out["data.tokenizer_sha256"] = file_sha256(tok) if tok.is_file() else ""
+    out["data.tokenizer_sha256"] = tokenizer_sha256(tok)
     out["train.seed"] = cfg.train.seed
     out["train.seq_len"] = cfg.train.seq_len
     out["train.global_batch_size"] = cfg.train.global_batch_size
