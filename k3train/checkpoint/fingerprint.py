@@ -34,6 +34,8 @@ def run_fingerprint(cfg: Config) -> dict[str, Any]:
     out["data.split"] = cfg.data.split
     tok = Path(cfg.data.tokenizer)
     out["data.tokenizer_sha256"] = tokenizer_sha256(tok)
+    if cfg.data.format == "chat":  # which conversations rows hold (absent otherwise: older checkpoints compare)
+        out["data.chat_overlong"] = cfg.data.chat_overlong
     out["train.seed"] = cfg.train.seed
     out["train.seq_len"] = cfg.train.seq_len
     out["train.global_batch_size"] = cfg.train.global_batch_size
