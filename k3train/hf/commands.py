@@ -25,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from k3train.config import ConfigError
 from k3train.cli import OneLineParser as _Parser
 from k3train.cli import bad_input as _bad_input
 
@@ -32,6 +33,26 @@ from k3train.cli import bad_input as _bad_input
 # ------------------------------------------------------------------------------------------------------------------
 # import-hf
 # ------------------------------------------------------------------------------------------------------------------
+def tokenizer_section(hf_dir: Path) -> dict[str, Any]:
+    """``data`` values for the checkpoint's own tokenizer: ``data.tokenizer`` at its ``tokenizer.json``, else at its
+    tiktoken ranks file ``tiktoken.model`` (k3train/data/tiktoken_tokenizer.py), and the special-token names its
+    ``tokenizer_config.json`` gives (``data.bos_token`` / ``eos_token`` / ``pad_token``)."""
+    from k3train.data.corpus import DataError  # noqa: PLC0415  # lazy: k3train.data's package imports torch
+    from k3train.data.tiktoken_tokenizer import RANKS_NAME  # noqa: PLC0415  # lazy: as above
+    from k3train.data.tokenizer_config import read_tokenizer_config  # noqa: PLC0415  # lazy: as above
+
+    for name in ("tokenizer.json", RANKS_NAME):
+        if (hf_dir / name).is_file():
+            out: dict[str, Any] = {"tokenizer": str(hf_dir / name)}
+            try:
+                named = read_tokenizer_config(hf_dir / name).named_tokens
+            except DataError as e:
+                raise ConfigError(f"import-hf: {e}") from None
+            out.update({key: named[key] for key in ("bos_token", "eos_token", "pad_token") if key in named})
+            return out
+    return {}
+
+
 def import_config_text(hf_dir: Path) -> str:
     """The run config ``import-hf`` writes (YAML text) for checkpoint ``hf_dir``."""
     from k3train.hf.config_map import read_config_json, sections_from_config_json  # noqa: PLC0415
@@ -44,8 +65,9 @@ def import_config_text(hf_dir: Path) -> str:
     if vision:
         doc["vision"] = vision
     doc["checkpoint"] = {"load_hf": str(hf_dir)}
-    if (hf_dir / "tokenizer.json").is_file():
-        doc["data"] = {"tokenizer": str(hf_dir / "tokenizer.json")}
+    data = tokenizer_section(hf_dir)
+    if data:
+        doc["data"] = data
     head = (f"# k3train run config written by `k3train import-hf {hf_dir}` from its config.json ({fmt}).\n"
             f"# model / vision: the checkpoint's (a run must keep them); checkpoint.load_hf: a fresh run starts from\n"
             f"# its weights in any parallel layout. Set data.path (prepared with the checkpoint's tokenizer),\n"

@@ -112,6 +112,9 @@ def prepare_chat(inputs: Sequence[str | Path], tok: Any, output_prefix: str | Pa
             raise DataError(f"input file not found: {p}")
     tpl, where = chat_template_of(tok, template_file)
     names = sorted(n for n in _special_names(tok))
+    for p in inputs:  # every line's JSON and messages first (cheap): bad input fails before any work starts
+        for _ in read_conversations(p, names):
+            pass
     stats = ChatStats()
     masks: list[np.ndarray] = []
 
