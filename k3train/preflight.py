@@ -81,7 +81,7 @@ def check_devices(cfg: Config) -> None:
         if local_rank >= n_gpu:
             raise ConfigError(f"train.device: local rank {local_rank} needs GPU {local_rank} but {n_gpu} are "
                               f"visible (one process per GPU: --nproc_per_node <= {n_gpu})")
-    from k3train.ops.dispatch import check_kernel_settings  # noqa: PLC0415
+    from k3train.model.kernels import check_kernel_settings  # noqa: PLC0415
 
     bad_kernel = check_kernel_settings(cfg)  # a train.<op>_kernel forced where it cannot run (device, installed)
     if bad_kernel is not None:

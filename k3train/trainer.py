@@ -67,9 +67,9 @@ class _RankZeroWarnings(logging.Filter):
 
 
 def _apply_kernels(cfg: Config, pm: ParallelModel, device: torch.device) -> dict[str, Any]:
-    """Choose each op's kernel for this device (k3train/ops/dispatch.py), point the built layers at it, and log
+    """Choose each op's kernel for this device (k3train/model/kernels.py), point the built layers at it, and log
     one line per op (``kda: fla chunk_kda (triton)`` / ``kda: k3train chunked (torch)``, ``mla: ...``, ...)."""
-    from k3train.ops.dispatch import Installed, apply_kernels, choose_kernels, describe_kernels, kernel_settings, \
+    from k3train.model.kernels import Installed, apply_kernels, choose_kernels, describe_kernels, kernel_settings, \
         target_for
 
     choices = choose_kernels(kernel_settings(cfg.train), target_for(cfg, device), Installed.probe())

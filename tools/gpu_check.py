@@ -136,7 +136,7 @@ def _train_steps(config: str, device: str, dtype: str, steps: int, data: str, ou
     """``steps`` optimizer steps of ``config`` through the real Trainer in this process (``extra``: overrides)."""
     import torch
 
-    from k3train.ops.dispatch import describe_kernels
+    from k3train.model.kernels import describe_kernels
     from k3train.preflight import validate_run
     from k3train.trainer import Trainer
 
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_cores": os.cpu_count(), "versions": _versions(), "sections": {},
         "not_checkable_on_one_gpu": NOT_CHECKABLE_ON_ONE_GPU,
     }
-    from k3train.ops.dispatch import Installed, Target, choose_kernels, describe_kernels
+    from k3train.model.kernels import Installed, Target, choose_kernels, describe_kernels
 
     cap = tuple(torch.cuda.get_device_capability(0))
     report["kernels_bf16"] = describe_kernels(choose_kernels({}, Target("cuda", "bfloat16", cap), Installed.probe()))

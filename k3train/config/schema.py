@@ -224,7 +224,7 @@ class TrainConfig:
     # torch intra-op threads per CPU rank; 0 = OMP_NUM_THREADS if exported, else this process's cores shared among
     # the ranks on its host (k3train/runtime/process_groups.py: choose_num_threads)
     num_threads: int = 0
-    # kernel of each op (k3train/ops/dispatch.py; the choice is logged at start-up): "auto" picks by device, dtype and
+    # kernel of each op (k3train/model/kernels.py; the choice is logged at start-up): "auto" picks by device, dtype and
     # what is installed (CPU: always the pure-torch op). kda: "torch" | "fla" (fla chunk_kda, CUDA); mla: "dense" |
     # "blockwise" | "flex" (FlexAttention, CUDA); experts: "grouped_mm" (torch._grouped_mm) | "padded_bmm" | "loop"
     kda_kernel: str = "auto"
@@ -573,9 +573,9 @@ class Config:
         # CPU threads per rank (k3train/runtime/process_groups.py)
         need(t.num_threads >= 0, "train.num_threads", f"must be >= 0 (0 = automatic), got {t.num_threads}")
 
-        # kernels per op (k3train/ops/dispatch.py): the backend names here; one forced where it cannot run is a
+        # kernels per op (k3train/model/kernels.py): the backend names here; one forced where it cannot run is a
         # machine check (k3train/preflight.py: check_devices)
-        from k3train.ops.dispatch import check_kernel_names
+        from k3train.model.kernels import check_kernel_names
 
         bad_kernel = check_kernel_names(t)
         if bad_kernel is not None:

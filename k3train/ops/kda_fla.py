@@ -1,7 +1,7 @@
 """KDA through flash-linear-attention's Triton kernel (``fla.ops.kda.chunk_kda``), with k3train's op signature.
 
 :func:`fla_chunk_kda` takes exactly what :func:`k3train.ops.kda.chunk_kda` takes and returns the same
-``(o, final_state)``, so ``KDALayer.kda_op`` can be either (k3train/ops/dispatch.py picks; CUDA only)::
+``(o, final_state)``, so ``KDALayer.kda_op`` can be either (k3train/model/kernels.py picks; CUDA only)::
 
     q, k, g [B,T,H,K]   v [B,T,H,V]   beta [B,T,H]   initial_state [N,H,K,V]   o [B,T,H,V] (q's dtype)
     S_t = (I - b_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + b_t k_t v_t^T,   o_t = scale * S_t^T q_t

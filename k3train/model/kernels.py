@@ -314,7 +314,7 @@ def apply_kernels(modules: Iterable[nn.Module], choices: dict[str, KernelChoice]
     if mla_backend == "flex":
         from k3train.ops.mla_flex import flex_attention_core as mla_op
     elif mla_backend == "dense":
-        from k3train.model.mla import attention_core as mla_op
+        from k3train.ops.mla_dense import attention_core as mla_op
     else:
         mla_op = None  # blockwise: the layer's default path
     impl = _EXPERTS_IMPL.get(choices["experts"].backend)
