@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import random
 from pathlib import Path
 
 import torch
@@ -66,3 +67,21 @@ def sft_overrides(out_dir: Path, data_prefix: Path, steps: int, layout: list[str
 
 def write_chat(path: Path, records: list[dict]) -> Path:
     return write_jsonl(path, records)
+
+
+def rule_records(n: int, shuffled: bool, seed: int = 0, vocab_size: int = 16) -> list[dict]:
+    """``n`` conversations whose answer follows from the user's word by a rule (a fixed random permutation of
+    ``vocab_size`` KJV words), or -- ``shuffled`` -- the same answers shuffled across conversations (nothing in the
+    prompt predicts them). A short system turn keeps the template's default system prompt out."""
+    words = sorted({w.strip(",.;:") for d in itertools.islice(read_documents(DEFAULT_CORPUS), 5)
+                    for w in d.text.split() if w.strip(",.;:").isalpha()})[:vocab_size]
+    rng = random.Random(seed)
+    perm = words[:]
+    rng.shuffle(perm)
+    rule = dict(zip(words, perm))
+    asks = [rng.choice(words) for _ in range(n)]
+    answers = [rule[w] for w in asks]
+    if shuffled:
+        random.Random(seed + 1).shuffle(answers)
+    return [{"messages": [{"role": "system", "content": "R"}, {"role": "user", "content": q},
+                          {"role": "assistant", "content": a}]} for q, a in zip(asks, answers)]
