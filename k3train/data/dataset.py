@@ -36,8 +36,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch.distributed as dist
 
-from k3train.config import SPLIT_NAMES
+from k3train.config import SPLIT_NAMES, ConfigError, parse_split
 from k3train.data.corpus import DataError
 
 logger = logging.getLogger(__name__)
@@ -215,6 +216,7 @@ def write_indexed_dataset(prefix: str | Path, documents: Iterable[list[int] | np
     dataset written under prefix TMP while ``documents`` ran (e.g. the chat loss mask) is renamed to FINAL with them.
     Returns the validated index."""
     with _mcore():
+        # lazy: megatron-core takes seconds to import; only where an indexed dataset is read or built
         from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
     prefix = Path(prefix)
@@ -252,6 +254,7 @@ def write_indexed_dataset(prefix: str | Path, documents: Iterable[list[int] | np
 def read_documents_back(prefix: str | Path) -> Iterator[np.ndarray]:
     """Yield each document's tokens (including its EOS) through Megatron's ``IndexedDataset``."""
     with _mcore():
+        # lazy: megatron-core takes seconds to import; only where an indexed dataset is read or built
         from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     info = validate_indexed_dataset(prefix)
@@ -269,6 +272,7 @@ def _megatron_tokenizer(tokenizer: Any) -> Any:
     """A ``MegatronTokenizerBase`` view of our tokenizer: GPTDataset only reads ``eod``, ``pad``,
     ``vocab_size``, ``special_tokens_dict`` and (for its cache key) ``unique_identifiers``."""
     with _mcore():
+        # lazy: megatron-core takes seconds to import; only where an indexed dataset is read or built
         from megatron.core.tokenizers import MegatronTokenizerBase
 
     class _View(MegatronTokenizerBase):
@@ -310,6 +314,7 @@ def ensure_helpers() -> None:
     here and a missing module is reported clearly instead."""
     try:
         with _mcore():
+            # lazy: megatron-core takes seconds to import; only where an indexed dataset is read or built
             from megatron.core.datasets import helpers_cpp  # noqa: F401
     except ImportError as e:
         raise DataError(f"megatron.core.datasets.helpers_cpp is not importable ({e}); reinstall megatron-core "
@@ -322,8 +327,6 @@ def split_document_ranges(num_sequences: int, split: str) -> list[tuple[int, int
     by cumulative sums, ``round(bookend * num_sequences)`` -- Megatron's ``parse_and_normalize_split``,
     ``convert_split_vector_to_split_matrix`` and builder, in the same float operations (a test compares them),
     written out so that preflight does not import megatron (seconds) to check a split."""
-    from k3train.config import ConfigError, parse_split
-
     try:  # Megatron's parser picks numbers out with a regex and accepts anything; ours is strict
         weights = parse_split(split)
     except ConfigError as e:
@@ -361,10 +364,11 @@ def build_gpt_datasets(prefix: str | Path, tokenizer: Any, seq_len: int, seed: i
     COLLECTIVE over the default process group when ``torch.distributed`` is initialised (Megatron's rank-0
     build + ``barrier``): call it on every rank, in the same order. Raises :class:`DataError` for bad files
     and for splits too small to yield one sample."""
-    import torch.distributed as dist
-
     with _mcore():
+        # lazy: megatron-core takes seconds to import; only where an indexed dataset is read or built
         from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+
+        # lazy: megatron-core takes seconds to import; only where an indexed dataset is read or built
         from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
     prefix = Path(os.path.abspath(prefix))

@@ -41,6 +41,7 @@ from k3train.data.batch import Batch
 from k3train.data.chat.dataset import build_chat_dataset
 from k3train.data.corpus import DataError
 from k3train.data.dataset import build_gpt_datasets, sample_tokens
+from k3train.data.multimodal.dataset import build_multimodal_dataset
 from k3train.data.tokenizer import TextTokenizer, load_config_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -97,8 +98,6 @@ class GlobalBatchLoader:
         self.multimodal = fmt == "multimodal"
         self.packed = fmt in ("multimodal", "chat")  # a dataset of whole-document rows with its own .batch()
         if self.multimodal:
-            from k3train.data.multimodal.dataset import build_multimodal_dataset
-
             self.dataset = build_multimodal_dataset(cfg, self.tokenizer, split, num_samples[split])
         elif fmt == "chat":  # whole conversations, the loss on the assistant's tokens (k3train/data/chat/dataset.py)
             self.dataset = build_chat_dataset(cfg, self.tokenizer, split, num_samples[split])

@@ -27,7 +27,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from k3train.config import Config, ConfigError
+from k3train.config import Config, ConfigError, load_config
 
 HF_FORMATS = ("kimi_linear", "kimi_k3")
 # k3train model keys a run may set differently from the checkpoint's config.json (everything else must agree)
@@ -402,6 +402,4 @@ def hf_overrides(hf_dir: str | Path, key: str = "checkpoint.load_hf") -> list[st
 def config_from_hf(hf_dir: str | Path, overrides: list[str] | None = None, world_size: int | None = None) -> Config:
     """A validated run Config whose model (and vision) is the checkpoint's (the other sections at their defaults,
     then ``overrides``)."""
-    from k3train.config import load_config  # noqa: PLC0415
-
     return load_config(None, hf_overrides(hf_dir) + list(overrides or []), world_size)

@@ -50,6 +50,7 @@ def fla_chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, s
     del chunk_size
     if q.device.type != "cuda":
         raise RuntimeError(f"fla_chunk_kda: fla's kernel needs CUDA tensors, got {q.device}")
+    # lazy: flash-linear-attention is optional (CUDA + triton)
     from fla.ops.kda import chunk_kda  # CUDA only; imported on first call so CPU machines never import triton
 
     safe = fla_safe_gate(g_lower_bound)
