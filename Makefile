@@ -37,7 +37,7 @@ train: venv data
 test: venv data data-mm
 	OMP_NUM_THREADS=1 $(PY) -m pytest tests
 
-# re-measure every figure the README states, on this machine (benchmarks/bench_readme.py; ~35 min on an idle 2-core
+# re-measure every figure docs/ and benchmarks/results/ claim (benchmarks/bench_readme.py; ~35 min on an idle 2-core
 # machine; refuses while it is busy): make bench ARGS="--only kda,planner --json bench.json"
 bench: venv data data-mm
 	$(PY) benchmarks/bench_readme.py $(ARGS)

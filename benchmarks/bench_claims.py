@@ -1,12 +1,13 @@
-"""The README's performance and accuracy figures as claims `make bench` (benchmarks/bench_readme.py) re-measures: the one
-place that says which figure, its tolerance, and which tool invocation measures it.
+"""The documented performance and accuracy figures as claims `make bench` (benchmarks/bench_readme.py) re-measures:
+the one place that says which figure, where it is stated, its tolerance, and which tool invocation measures it.
 
 Each :class:`Run` is one tool invocation (arguments chosen so that all of them together take about 30 minutes on
 an idle 2-core machine; ``expected_s`` is that estimate, ``timeout_s`` its limit) and a parser of the tool's
-printed output. Each :class:`Claim` names the run that measures it, the figure as the README states it
-(``readme``: text that must appear in README.md, checked by tests/tools/test_bench_readme.py) and the bound a
-measurement on another host must meet. Where the README's figure was taken on one particular host, the bound is
-the ratio that transfers (a speed-up, a fraction of the host's own matmul rate, an error), not the seconds.
+printed output. Each :class:`Claim` names the run that measures it, the file that states the figure (``file``: a
+docs page or a dated results file under benchmarks/results/) and the text it states it in (``text``: it must
+appear in that file, checked by tests/tools/test_bench_readme.py), and the bound a measurement on another host
+must meet. Where the stated figure was taken on one particular host, the bound is the ratio that transfers (a
+speed-up, a fraction of the host's own matmul rate, an error), not the seconds.
 
 Parsers read the lines the tools print for people (or their ``--json`` where they have one) and raise
 :class:`ParseError` naming the line they did not find, so a tool whose output changed fails loudly here.
@@ -48,11 +49,12 @@ class Claim:
     key: str
     run: str
     figure: str
-    stated: str                 # the README's figure
+    stated: str                 # the figure as the docs state it
     op: str                     # ">=" or "<="
     bound: float
     unit: str                   # appended to numbers: "x", "%", " ms", ""
-    readme: str                 # text of README.md that states it
+    file: str                   # the file that states it (relative to the repository root)
+    text: str                   # the text of ``file`` that states it
     fast_matmul_bound: float | None = None  # the bound on a host whose matmul is faster than FAST_MATMUL_GFLOPS
 
     def bound_for(self, matmul_gflops: float) -> float:
@@ -67,9 +69,9 @@ class Claim:
         return math.isfinite(value) and (value >= b if self.op == ">=" else value <= b)
 
 
-# The README's KDA fraction of matmul FLOP/s: 45.6% beside a 33.5 GFLOP/s one-thread matmul, 34.6-41.8% beside
-# 81-88 GFLOP/s ones, where the op's own small batched GEMMs reach only 59-73% of the big matmul: the fraction
-# falls as the big matmul gets faster, so its bound depends on the matmul rate measured beside it.
+# The KDA fraction of matmul FLOP/s (benchmarks/results/kda.md): 45.6% beside a 33.5 GFLOP/s one-thread matmul,
+# 34.6-41.8% beside 81-88 GFLOP/s ones, where the op's own small batched GEMMs reach only 59-73% of the big matmul:
+# the fraction falls as the big matmul gets faster, so its bound depends on the matmul rate measured beside it.
 FAST_MATMUL_GFLOPS = 60.0
 
 
@@ -236,7 +238,7 @@ RUNS: tuple[Run, ...] = (
     Run("memory_pp2vpp2", (*TINY_MEM, "--parallel.pp=2", "--parallel.vpp=2", "--parallel.pp_layers=[3,1,2,2]"),
         "tiny, world 2, pp=2 x vpp=2, layers [3,1,2,2], 3 measured steps", 75, 300,
         parse_memory("memory_pp2vpp2")),
-    # unpaired (overlap_ep=false): under F/B pairing the peak depends on the two threads' timing (README: Memory)
+    # unpaired (overlap_ep=false): under F/B pairing the peak depends on the two threads' timing (docs/planner.md)
     Run("memory_dp2ep2", (*TINY_MEM, "--parallel.dp=2", "--parallel.ep=2", "--parallel.zero=2",
                           "--parallel.moonep=true", "--parallel.overlap_ep=false"),
         "tiny, world 2, dp=2 ep=2 ZeRO-2 MoonEP, F/B pairing off, 3 measured steps", 75, 300,
@@ -245,30 +247,32 @@ RUNS: tuple[Run, ...] = (
         "tiny-vl in one process, the tool's default corpus and steps", 180, 900, parse_vision, ok_exit=(0, 1)),
 )
 
+KDA, PLANNER, BENCH, ESTIMATOR = ("benchmarks/results/kda.md", "benchmarks/results/planner.md", "docs/benchmarks.md",
+                                  "docs/planner.md")
 CLAIMS: tuple[Claim, ...] = (
-    Claim("kda_speedup", "kda", "KDA fwd+bwd speed-up over the autograd op", "2.86x", ">=", 2.0, "x",
+    Claim("kda_speedup", "kda", "KDA fwd+bwd speed-up over the autograd op", "2.86x", ">=", 2.0, "x", KDA,
           "2.86x the autograd op"),
     Claim("kda_matmul_fraction", "kda", "KDA op FLOP/s / 1-thread matmul FLOP/s",
-          "45.6% at 33.5, 34.6-41.8% at 81-88 GF/s", ">=", 40.0, "%", "45.6% of matmul FLOP/s",
+          "45.6% at 33.5, 34.6-41.8% at 81-88 GF/s", ">=", 40.0, "%", KDA, "45.6% of matmul FLOP/s",
           fast_matmul_bound=34.0),
-    Claim("kda_saved", "kda", "KDA autograd-saved / input bytes", "2.75x", "<=", 3.0, "x", "2.75x saved"),
-    Claim("attnres_overhead", "attnres", "AttnRes step overhead vs standard residual", "goal", "<=", 5.0, "%",
+    Claim("kda_saved", "kda", "KDA autograd-saved / input bytes", "2.75x", "<=", 3.0, "x", KDA, "2.75x saved"),
+    Claim("attnres_overhead", "attnres", "AttnRes step overhead vs standard residual", "goal", "<=", 5.0, "%", BENCH,
           "AttnRes step-time overhead <= 5%"),
     Claim("moonep_plan_ms", "moonep_layout", "MoonEP plan + layout per layer (E=896, R=64)", "goal", "<=", 2.0,
-          " ms", "MoonEP plan + layout <= 2 ms per layer"),
+          " ms", BENCH, "MoonEP plan + layout <= 2 ms per layer"),
     Claim("moonep_extra_flat", "moonep_memory", "MoonEP extra bytes / two-bank pool, any depth", "flat", "<=", 1.0,
-          "", "MoonEP extra bytes per rank within its two-bank replica pool"),
-    Claim("checkpoint_async", "checkpoint", "checkpoint stall: sync / async_save", "goal", ">=", 2.0, "x",
+          "", BENCH, "MoonEP extra bytes per rank within its two-bank replica pool"),
+    Claim("checkpoint_async", "checkpoint", "checkpoint stall: sync / async_save", "goal", ">=", 2.0, "x", BENCH,
           "an async_save stall at most half a synchronous one"),
     Claim("planner_median_error", "planner", "planner median |error|, tiny world 4", "5.5%", "<=", 15.0, "%",
-          "median |error| 5.5%, worst 17.7%, Spearman 0.918 over 11 layouts"),
+          PLANNER, "median |error| 5.5%, worst 17.7%, Spearman 0.918 over 11 layouts"),
     Claim("planner_spearman", "planner", "planner Spearman rank correlation, tiny world 4", "0.918", ">=", 0.8, "",
-          "median |error| 5.5%, worst 17.7%, Spearman 0.918 over 11 layouts"),
+          PLANNER, "median |error| 5.5%, worst 17.7%, Spearman 0.918 over 11 layouts"),
     Claim("memory_pp2vpp2", "memory_pp2vpp2", "memory estimate |error|, worst rank, pp2 vpp2 uneven",
-          "-0.2%, -0.1%", "<=", 2.0, "%", "within 2% of its measured peak"),
+          "-0.2%, -0.1%", "<=", 2.0, "%", ESTIMATOR, "within 2% of its measured peak"),
     Claim("memory_dp2ep2", "memory_dp2ep2", "memory estimate |error|, worst rank, dp2 ep2 z2 MoonEP", "within 2%",
-          "<=", 2.0, "%", "within 2% of its measured peak"),
-    Claim("vision_learns", "vision", "vision path learns (image-word gap grows)", "pass", ">=", 1.0, "",
+          "<=", 2.0, "%", ESTIMATOR, "within 2% of its measured peak"),
+    Claim("vision_learns", "vision", "vision path learns (image-word gap grows)", "pass", ">=", 1.0, "", BENCH,
           "does the vision path learn"),
 )
 

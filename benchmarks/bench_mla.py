@@ -31,7 +31,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from k3train.config.presets import tiny_model_config  # noqa: E402
 from k3train.data.dataset import validate_indexed_dataset  # noqa: E402
-from k3train.model.mla import MLA, MaskInfo, attention_core  # noqa: E402
+from k3train.model.mla import MLA  # noqa: E402
+from k3train.ops.mla_dense import MaskInfo, attention_core  # noqa: E402
 from k3train.model.seq import SeqInfo  # noqa: E402
 from k3train.ops.mla_blockwise import block_plan  # noqa: E402
 from k3train.planning.live_bytes import LiveBytes  # noqa: E402

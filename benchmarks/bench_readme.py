@@ -1,15 +1,15 @@
 #!/usr/bin/env python
-"""`make bench`: re-measure, on this machine, every performance and accuracy figure the README states, and print
-claimed against measured with the conditions they were measured under.
+"""`make bench`: re-measure, on this machine, every performance and accuracy figure the docs and the dated results
+under benchmarks/results/ claim, and print claimed against measured with the conditions they were measured under.
 
     .venv/bin/python benchmarks/bench_readme.py [--only RUN[,RUN]] [--json FILE] [--logs DIR] [--max-load 0.5] [--force]
     .venv/bin/python benchmarks/bench_readme.py --list          # the claims and runs, nothing measured
 
-The claims (figure, the README's text, the bound a measurement must meet) and the tool invocations that measure
-them live in one place, benchmarks/bench_claims.py. Every run gets ``OMP_NUM_THREADS=1`` (one thread per process, as
-the README's figures were taken), its own temporary directory, and its own ``K3TRAIN_CACHE_DIR`` in it (the
-planner calibrates afresh: the user's cached calibration and MFU peak are neither used nor changed). Each run's
-wall time is printed beside the estimate for an idle 2-core machine (about 35 minutes for all) and its limit.
+The claims (figure, the file and text that state it, the bound a measurement must meet) and the tool invocations
+that measure them live in one place, benchmarks/bench_claims.py. Every run gets ``OMP_NUM_THREADS=1`` (one thread
+per process, as the stated figures were taken), its own temporary directory, and its own ``K3TRAIN_CACHE_DIR`` in
+it (the planner calibrates afresh: the user's cached calibration and MFU peak are neither used nor changed). Each
+run's wall time is printed beside the estimate for an idle 2-core machine (about 35 minutes for all) and its limit.
 
 A busy machine makes every timing wrong, so the script refuses (one line, exit 2) when, before it starts, the
 1-minute load average is above ``--max-load`` (default 0.5: half a core of other work on average; it first waits
@@ -57,7 +57,7 @@ FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "am
 # ---------------------------------------------------------------------------------------------------------------
 def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
     """Best one-thread fp32 ``n x n`` matmul rate of this host (GFLOP/s)."""
-    import torch
+    import torch  # lazy: --list and a refusal on a busy machine answer without loading torch
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -76,7 +76,7 @@ def matmul_gflops(n: int = 2048, repeats: int = 5) -> float:
 
 def host_conditions() -> dict[str, Any]:
     """What a measurement depends on: CPU and its vector units, cores, torch, the matmul rate, date, commit."""
-    import torch
+    import torch  # lazy: --list and a refusal on a busy machine answer without loading torch
 
     model, flags = "", set()
     try:
@@ -227,7 +227,7 @@ def execute(run: Run, tmp: Path, timeout_s: float) -> Outcome:
     """``run`` with this interpreter in the checkout, its own process group (killed whole at the limit)."""
     argv = [sys.executable, *(a.replace("{tmp}", str(tmp)) for a in run.argv)]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    from k3train.runtime.process_groups import child_pythonpath  # noqa: PLC0415
+    from k3train.runtime.process_groups import child_pythonpath  # noqa: PLC0415 # lazy: the module loads torch
     env.update(OMP_NUM_THREADS="1", K3TRAIN_CACHE_DIR=str(tmp / "cache"), WANDB_MODE="disabled",
                PYTHONPATH=child_pythonpath(ROOT))
     (tmp / "cache").mkdir(parents=True, exist_ok=True)
@@ -273,7 +273,7 @@ class Report:
 
     def as_json(self) -> dict[str, Any]:
         claims = [{"key": r.claim.key, "run": r.claim.run, "figure": r.claim.figure, "claimed": r.claimed,
-                   "op": r.claim.op, "bound": r.bound, "readme": r.claim.readme,
+                   "op": r.claim.op, "bound": r.bound, "file": r.claim.file, "text": r.claim.text,
                    "measured": None if r.measure is None or not math.isfinite(r.measure.value) else r.measure.value,
                    "measured_text": r.measure.text if r.measure else None,
                    "detail": r.measure.detail if r.measure else r.note, "within": r.within} for r in self.rows]
@@ -331,7 +331,7 @@ def list_claims() -> str:
     lines.append(f"claims (after '/': the bound beside a one-thread matmul over {FAST_MATMUL_GFLOPS:g} GFLOP/s):")
     for c in CLAIMS:
         alt = f" / {c.fast_matmul_bound:g}{c.unit}" if c.fast_matmul_bound is not None else ""
-        lines.append(f"  {c.key:<22} {c.run:<15} {c.op} {c.bound:g}{c.unit}{alt}   README: {c.readme!r}")
+        lines.append(f"  {c.key:<22} {c.run:<15} {c.op} {c.bound:g}{c.unit}{alt}   {c.file}: {c.text!r}")
     return "\n".join(lines)
 
 

@@ -27,28 +27,23 @@ import os
 import sys
 from pathlib import Path
 
+from k3train.preflight import validate_run
+from k3train.reporting.plot import main as plot_main
+from k3train.runtime.bad_input import EXIT_BAD_INPUT, OneLineParser, is_bad_input, report_bad_input
+from k3train.train import main as train_main
+from k3train.train import run_training
+
 ROOT = Path(__file__).resolve().parent.parent  # the repository (an editable install runs from it)
-EXIT_BAD_INPUT = 2
 
 # subcommand -> the tool script whose main(argv) it runs
 TOOLS = {"count": "count_params.py", "memory": "memory.py", "plan": "plan.py", "prepare-data": "prepare_data.py"}
 USAGE = __doc__.split("\n\n")[1]
 
 
-def bad_input(message: str) -> int:
-    print(f"k3train: error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
-    return EXIT_BAD_INPUT
-
-
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str):  # type: ignore[override] - one line, like every other bad input
-        sys.exit(bad_input(f"{self.prog}: {message}"))
-
-
 def _launcher_parser() -> argparse.ArgumentParser:
     ap = OneLineParser(prog="k3train train", allow_abbrev=False,
-                 description="validate once, then train on --nproc x --nnodes processes; every other "
-                             "--section.key=value argument overrides the config")
+                       description="validate once, then train on --nproc x --nnodes processes; every other "
+                                   "--section.key=value argument overrides the config")
     ap.add_argument("--config", help="YAML run config (configs/tiny.yaml, ...)")
     ap.add_argument("--nproc", type=int, default=1, help="processes on this node (torchrun --nproc_per_node)")
     ap.add_argument("--nnodes", type=int, default=1, help="nodes (one torchrun agent each)")
@@ -79,7 +74,7 @@ def torchrun_command(a: argparse.Namespace, overrides: list[str]) -> list[str]:
 def gpus_short(cfg, nproc: int) -> str:  # noqa: ANN001 - a validated k3train.config.Config
     """Each rank checks its own GPU (preflight.check_devices); the launcher sees the whole node: one process per
     GPU, so ``--nproc`` may not exceed the visible GPUs. "" when fine (or on CPU)."""
-    import torch  # noqa: PLC0415 - validate_run imported it already
+    import torch  # noqa: PLC0415 - lazy: torch is not loaded before the config is checked (validate_run loaded it)
 
     on_gpu = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
     n = torch.cuda.device_count() if on_gpu else 0
@@ -92,13 +87,11 @@ def gpus_short(cfg, nproc: int) -> str:  # noqa: ANN001 - a validated k3train.co
 def cmd_train(argv: list[str]) -> int:
     a, overrides = _launcher_parser().parse_known_args(argv)
     if a.nproc < 1 or a.nnodes < 1:
-        return bad_input(f"k3train train: --nproc and --nnodes must be >= 1, got {a.nproc} and {a.nnodes}")
+        return report_bad_input(f"k3train train: --nproc and --nnodes must be >= 1, got {a.nproc} and {a.nnodes}")
     if a.nnodes > 1 and a.rdzv_endpoint is None:
-        return bad_input("k3train train: --nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0's address), the same "
-                         "on every node")
+        return report_bad_input("k3train train: --nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0's address), "
+                                "the same on every node")
     world = a.nproc * a.nnodes
-    from k3train.preflight import is_bad_input, validate_run  # noqa: PLC0415
-
     # warnings of the checks: from this process for one rank; else rank 0 of the run repeats the checks and logs
     # them (once), so here they would appear twice
     logging.basicConfig(level=logging.INFO if world == 1 else logging.ERROR,
@@ -107,8 +100,8 @@ def cmd_train(argv: list[str]) -> int:
         cfg = validate_run(a.config, overrides, world)
     except Exception as e:
         if is_bad_input(e):
-            return bad_input(str(e))
-        from k3train.checkpoint.resume import NothingToDo  # noqa: PLC0415
+            return report_bad_input(e)
+        from k3train.checkpoint.resume import NothingToDo  # noqa: PLC0415 - lazy: it loads torch
 
         if not isinstance(e, NothingToDo):
             raise
@@ -116,10 +109,8 @@ def cmd_train(argv: list[str]) -> int:
         return 0
     on_gpu_error = gpus_short(cfg, a.nproc)
     if on_gpu_error:
-        return bad_input(on_gpu_error)
+        return report_bad_input(on_gpu_error)
     if world == 1:
-        from k3train.train import run_training  # noqa: PLC0415
-
         return run_training(cfg)
     cmd = torchrun_command(a, overrides)
     env = dict(os.environ)
@@ -134,16 +125,14 @@ def cmd_train(argv: list[str]) -> int:
 
 
 def cmd_check(argv: list[str]) -> int:
-    from k3train.train import main  # noqa: PLC0415
-
-    return main(["--check", *argv])
+    return train_main(["--check", *argv])
 
 
 def run_tool(script: str, argv: list[str]) -> int:
     """Run ``tools/<script>``'s ``main(argv)`` in this process (the tools are scripts, not a package)."""
     path = ROOT / "tools" / script
     if not path.is_file():
-        return bad_input(f"this command is not available in this installation ({path} is missing)")
+        return report_bad_input(f"this command is not available in this installation ({path} is missing)")
     spec = importlib.util.spec_from_file_location(f"k3train_tool_{path.stem}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -169,21 +158,19 @@ def main(argv: list[str] | None = None) -> int:
     if sub == "check":
         return cmd_check(rest)
     if sub == "plot":
-        from k3train.reporting.plot import main as plot_main  # noqa: PLC0415
-
         return plot_main(rest)
     if sub in TOOLS:
         return run_tool(TOOLS[sub], rest)
     if sub == "import-hf":
-        from k3train.hf.commands import import_hf_main  # noqa: PLC0415
+        from k3train.hf.commands import import_hf_main  # noqa: PLC0415 - lazy: k3train.hf loads torch
 
         return import_hf_main(rest)
     if sub == "export-hf":
-        from k3train.hf.commands import export_hf_main  # noqa: PLC0415
+        from k3train.hf.commands import export_hf_main  # noqa: PLC0415 - lazy: k3train.hf loads torch
 
         return export_hf_main(rest)
-    return bad_input(f"unknown command {sub!r}; one of: train, check, {', '.join(TOOLS)}, plot, import-hf, export-hf "
-                     f"(k3train --help)")
+    return report_bad_input(f"unknown command {sub!r}; one of: train, check, {', '.join(TOOLS)}, plot, import-hf, "
+                            f"export-hf (k3train --help)")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from k3train.data import GlobalBatchLoader
 from parallel.pipeline.loss_norm import LossNorm
 
 
@@ -38,8 +39,6 @@ class Evaluator:
         self.counts_tokens = dims.pp == 1 or dims.pp_rank == dims.pp - 1
         self.loader = None
         if self.interval > 0:
-            from k3train.data import GlobalBatchLoader
-
             self.loader = GlobalBatchLoader.from_dims(cfg, dims, split="valid", device=device)
 
     def due(self, step: int, total_steps: int) -> bool:

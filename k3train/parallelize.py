@@ -18,11 +18,27 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from k3train.config import Config
-from k3train.model.flops import model_flops_per_token
+from k3train.draft import DraftObjective, draft_modules, freeze_target
+from k3train.model.flops import draft_flops_per_token, model_flops_per_token
+from k3train.model.model import K3Model
+from k3train.model.moe import LatentMoE, Router
 from k3train.model.seq import SeqInfo
+from k3train.ops.kda import layer_kda_op
+from k3train.quant.qat import apply_qat
+from kcp import KCPContext
+from kcp.vision_cp import VisionCPContext
+from moonep import (
+    apply_expert_parallel,
+    as_expert_dtensor,
+    collect_moonep_metrics,
+    dcp_state_dict,
+    is_expert_param,
+    sync_router_balance,
+)
 from parallel.dims import ParallelDims
 from parallel.pipeline.loss_norm import LossNorm
 from parallel.pipeline.runner import StepRunner, build_step_runner
@@ -38,7 +54,6 @@ def make_seq_builder(cfg: Config, dims: ParallelDims) -> Callable[[Any], SeqInfo
     v = cfg.vision
     if dims.cp == 1 or not v.enabled or v.cp_split_min_patches == 0:
         return build
-    from kcp.vision_cp import VisionCPContext
 
     def build_with_vision(b: Any) -> SeqInfo:
         if getattr(b, "media", None) is not None:  # a multimodal run's batches always carry media (maybe none)
@@ -53,8 +68,6 @@ def seq_builder(cfg: Config, cp: int, group: Any) -> Callable[[Any], SeqInfo]:
     estimator's simulated group)."""
     if cp == 1:
         return lambda b: SeqInfo.from_doc_ids(b.doc_ids, b.positions)
-    from k3train.ops.kda import layer_kda_op
-    from kcp import KCPContext
 
     kda_fn = layer_kda_op(cfg.model)  # the layer's op (chunking, gate bound), exactly
 
@@ -86,8 +99,6 @@ class ParallelModel:
 
     def grad_group_fn(self, name: str, param: nn.Parameter) -> str:
         """Which group a parameter's gradient is summed (and its ZeRO owner chosen) over."""
-        from moonep import is_expert_param
-
         return "edp" if is_expert_param(param) else "dp_cp"
 
     def set_chunk_backward_hook(self, optimizer: Any) -> None:
@@ -103,13 +114,9 @@ class ParallelModel:
 
         Returns ``(worst, totals)``: worst-case load metrics (to MAX over pipeline ranks) and byte/replica counts
         (to SUM over all ranks). The same keys on every rank (a stage may hold no MoE layer)."""
-        from moonep import collect_moonep_metrics, sync_router_balance
-
         if self.cfg.model.num_experts == 0:
             return {}, {}
         if self.draft is not None:  # a frozen target's routers keep their biases: only the draft's is balanced
-            from k3train.draft import draft_modules
-
             m = sync_router_balance(draft_modules(self.model), self.dims)
         else:
             m = sync_router_balance(self.modules, self.dims)
@@ -128,9 +135,6 @@ class ParallelModel:
         """Drop what forwards accumulated since the last :meth:`sync_router_balance` without using it: routers'
         balancing statistics (a skipped non-finite step must not move the biases) and MoonEP dispatch metrics
         (an evaluation's must not count in the next step). No communication."""
-        from k3train.model.moe import Router
-        from moonep import collect_moonep_metrics
-
         for mod in self.modules:
             for m in mod.modules():
                 if isinstance(m, Router):
@@ -140,8 +144,6 @@ class ParallelModel:
     # checkpoints: full-model FQNs; routed-expert shards as DTensors over the EP mesh
     def state_dict(self) -> dict[str, Any]:
         if self.dims.ep > 1:
-            from moonep import dcp_state_dict
-
             sd = dcp_state_dict(self.model, self.dims, self.ep_state)
         else:
             sd = self.model.state_dict()
@@ -159,7 +161,6 @@ class ParallelModel:
         sd = optimizer.state_dict()
         if self.dims.ep == 1:
             return sd
-        from moonep import as_expert_dtensor, is_expert_param
 
         mesh = None
         for fqn, p in self.model.named_parameters():
@@ -200,8 +201,6 @@ def cast_params_to_bf16(modules: list[nn.Module]) -> None:
 
 def moe_layers_held(modules: list[nn.Module]) -> tuple[int, int]:
     """``(backbone MoE layers, MTP MoE layers)`` in this rank's modules (the pruned pipeline stage)."""
-    from k3train.model.moe import LatentMoE
-
     names = [n for mod in modules for n, m in mod.named_modules() if isinstance(m, LatentMoE)]
     mtp = sum(1 for n in names if n.startswith("mtp."))
     return len(names) - mtp, mtp
@@ -210,8 +209,6 @@ def moe_layers_held(modules: list[nn.Module]) -> tuple[int, int]:
 def log_moe_layers(modules: list[nn.Module], dims: ParallelDims, moonep: bool) -> None:
     """Rank 0 logs how many MoE layers every pipeline rank holds (gathered over the default group: one collective
     every rank joins once at build time), so the line agrees with the partition table on every stage."""
-    import torch.distributed as dist
-
     mine = (dims.pp_rank if dims.pp > 1 else 0, *moe_layers_held(modules))
     every = [mine]
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -233,16 +230,12 @@ def parallelize(cfg: Config, dims: ParallelDims, device: torch.device) -> Parall
     eagle3 = cfg.train.objective == "eagle3"
     factory = None
     if eagle3:
-        from k3train.model.model import K3Model
-
         def factory() -> nn.Module:
             return K3Model(cfg.model, cfg.vision, eagle3=True)
     runner = build_step_runner(factory, cfg, dims, make_seq=make_seq_builder(cfg, dims), device=device,
                                num_microbatches=cfg.train.grad_accum_steps)
     ep_state = None
     if cfg.model.num_experts > 0:
-        from moonep import apply_expert_parallel
-
         paired, why_not = cfg.ep_overlap()  # parallel.overlap_ep: F/B pairing (parallel/pairing.py)
         ep_state = apply_expert_parallel(runner.modules, dims, moonep=cfg.parallel.moonep, paired=paired,
                                          split_wgrad=cfg.parallel.expert_wgrad_split)
@@ -255,8 +248,6 @@ def parallelize(cfg: Config, dims: ParallelDims, device: torch.device) -> Parall
             log.info("overlap_ep: %s", "on (the forward of micro-batch m+1 paired with the backward of m, on a "
                      "second thread and EP group" + (" and CP group)" if dims.cp > 1 else ")") if paired else f"off ({why_not})")
         if cfg.train.qat != "none" or cfg.train.qat_activations != "none":
-            from k3train.quant.qat import apply_qat  # MXFP4 QAT of the routed experts (own shards and replicas)
-
             n_qat = apply_qat(runner.modules, cfg.train.qat, cfg.train.qat_activations)
             if dims.rank == 0:
                 log.info("QAT: routed experts' weights %s, inputs %s (%d expert modules on rank 0)",
@@ -266,8 +257,6 @@ def parallelize(cfg: Config, dims: ParallelDims, device: torch.device) -> Parall
     if not eagle3:
         flops = model_flops_per_token(cfg.model, cfg.train.seq_len)
         return ParallelModel(cfg=cfg, dims=dims, runner=runner, ep_state=ep_state, flops_per_token=flops)
-    from k3train.draft import DraftObjective, freeze_target
-    from k3train.model.flops import draft_flops_per_token
 
     freeze_target(runner.model)
     flops = draft_flops_per_token(cfg.model, cfg.train.seq_len, cfg.train.draft_steps)

@@ -19,33 +19,26 @@ world size) and then runs :func:`preflight` for what the config alone cannot sho
 * ``train.objective=eagle3``: the target checkpoint (k3train/draft/target.py: complete, undamaged, an MTP layer,
   this run's model and tokenizer).
 
-Bad input raises ConfigError, DataError or ParallelConfigError (:func:`is_bad_input`), each message one line
-naming the key; anything else is a bug, not bad input. Config errors are found before torch, megatron or the data
-package is imported, so they return in a fraction of a second.
+* ``K3TRAIN_INJECT_NAN`` (test fault injection, k3train/runtime/nonfinite.py): well-formed, naming a module of
+  this run's model and a rank inside its world.
+
+Bad input raises ConfigError, DataError or ParallelConfigError (:func:`is_bad_input`, k3train/runtime/bad_input.py),
+each message one line naming the key; anything else is a bug, not bad input. Config errors are found before torch,
+megatron or the data package is imported, so they return in a fraction of a second: the checks that need them
+import them when they run.
 """
 from __future__ import annotations
 
 import logging
 import netrc
 import os
-import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
 from k3train.config import Config, ConfigError, load_config
+from k3train.runtime.bad_input import is_bad_input  # noqa: F401 - the entry points' and tools' import path
 
 log = logging.getLogger(__name__)
-
-# the error classes bad input raises (module, class); the entry points report exactly these (one line, exit 2)
-_BAD_INPUT_CLASSES = (("k3train.config", "ConfigError"), ("k3train.data.corpus", "DataError"),
-                      ("parallel.dims", "ParallelConfigError"))
-
-
-def is_bad_input(e: BaseException) -> bool:
-    """Whether ``e`` is one of the bad-input errors. Looked up through ``sys.modules``: a class whose module
-    was never imported cannot have been raised, and importing it here would cost seconds (torch)."""
-    return any(mod in sys.modules and isinstance(e, getattr(sys.modules[mod], name))
-               for mod, name in _BAD_INPUT_CLASSES)
 
 
 def validate_run(config_path: str | Path | None, overrides: list[str] | None = None, world_size: int | None = None,
@@ -64,7 +57,7 @@ def validate_run(config_path: str | Path | None, overrides: list[str] | None = N
 
 
 def check_devices(cfg: Config) -> None:
-    import torch  # noqa: PLC0415 - the entry point imports it anyway; keep this module light for --help
+    import torch  # noqa: PLC0415 - lazy: torch is not loaded before the config is checked
 
     t, p = cfg.train, cfg.parallel
     cuda = torch.cuda.is_available()
@@ -81,7 +74,7 @@ def check_devices(cfg: Config) -> None:
         if local_rank >= n_gpu:
             raise ConfigError(f"train.device: local rank {local_rank} needs GPU {local_rank} but {n_gpu} are "
                               f"visible (one process per GPU: --nproc_per_node <= {n_gpu})")
-    from k3train.ops.dispatch import check_kernel_settings  # noqa: PLC0415
+    from k3train.model.kernels import check_kernel_settings  # noqa: PLC0415 - lazy: k3train.model loads torch
 
     bad_kernel = check_kernel_settings(cfg)  # a train.<op>_kernel forced where it cannot run (device, installed)
     if bad_kernel is not None:
@@ -133,9 +126,11 @@ def splits_read(cfg: Config) -> list[str]:
 
 
 def check_data(cfg: Config) -> None:
+    # lazy: k3train.data loads torch (and megatron's dataset code), not loaded before the config is checked
     from k3train.data.corpus import DataError  # noqa: PLC0415
+    # lazy: k3train.data, as above
     from k3train.data.dataset import check_metadata, check_split_sizes, validate_indexed_dataset  # noqa: PLC0415
-    from k3train.data.tokenizer import load_config_tokenizer  # noqa: PLC0415
+    from k3train.data.tokenizer import load_config_tokenizer  # noqa: PLC0415 - lazy: k3train.data, as above
 
     tok_path = Path(cfg.data.tokenizer)
     if not tok_path.is_file():
@@ -146,9 +141,14 @@ def check_data(cfg: Config) -> None:
                           f"{tok.vocab_size} ids ({tok_path}) ({cfg.origin('model.vocab_size')})")
     check_token_ids(cfg, tok)
     if cfg.data.format == "multimodal":  # tokens + media store, every media against its placeholders
-        from k3train.data.multimodal.validate import check_multimodal_data  # noqa: PLC0415
+        from k3train.data.multimodal.validate import check_multimodal_data  # noqa: PLC0415 - lazy: torch
 
         check_multimodal_data(cfg, tok, splits_read(cfg))
+        return
+    if cfg.data.format == "chat":  # tokens + the assistant-only loss mask beside them
+        from k3train.data.chat.validate import check_chat_data  # noqa: PLC0415  # lazy: as the imports above
+
+        check_chat_data(cfg, tok, splits_read(cfg))
         return
     try:  # ids in the data beyond the TOKENIZER's vocabulary: the data was made with another tokenizer
         info = validate_indexed_dataset(cfg.data.path, vocab_size=tok.vocab_size)
@@ -185,8 +185,8 @@ def check_token_ids(cfg: Config, tok) -> None:  # noqa: ANN001 - a k3train.data.
 
 
 def check_layout(cfg: Config) -> None:
-    from parallel.pipeline.partition import build_partition  # noqa: PLC0415
-    from parallel.pipeline.schedules import build_schedule, resolve_schedule  # noqa: PLC0415
+    from parallel.pipeline.partition import build_partition  # noqa: PLC0415 - lazy: parallel loads torch
+    from parallel.pipeline.schedules import build_schedule, resolve_schedule  # noqa: PLC0415 - lazy: torch
 
     p = cfg.parallel
     build_partition(cfg.model, p, cfg.train.seq_len)
@@ -200,24 +200,44 @@ def preflight(cfg: Config) -> None:
     resolve_wandb_mode(cfg)
     check_data(cfg)
     check_layout(cfg)
-    from k3train.runtime.nonfinite import check_injection  # noqa: PLC0415
-
     check_injection(cfg)  # a malformed K3TRAIN_INJECT_NAN (test fault injection) is bad input too
     if cfg.train.objective == "eagle3":
-        from k3train.draft.target import check_target  # noqa: PLC0415
+        from k3train.draft.target import check_target  # noqa: PLC0415 - lazy: k3train.draft loads torch
 
         check_target(cfg)  # the frozen target checkpoint of EAGLE-3 draft training (k3train/draft/target.py)
-    from k3train.checkpoint.resume import resume_preflight  # noqa: PLC0415
+    from k3train.checkpoint.resume import resume_preflight  # noqa: PLC0415 - lazy: k3train.checkpoint loads torch
 
     resume_preflight(cfg)  # run directory, checkpoint to resume, run fingerprint (k3train/checkpoint/resume.py)
     check_load_hf(cfg)
+
+
+def check_injection(cfg: Config) -> None:
+    """Preflight of ``K3TRAIN_INJECT_NAN`` (k3train/runtime/nonfinite.py): well-formed, ``module`` a module of the
+    model (from a meta-device build, no memory) and ``rank`` inside the world. Raises :class:`ConfigError` (one
+    line)."""
+    from k3train.runtime.nonfinite import INJECT_ENV, injection_from_env  # noqa: PLC0415 - lazy: it loads torch
+
+    spec = injection_from_env()
+    if spec is None:
+        return
+    import torch  # noqa: PLC0415 - lazy: torch is not loaded before the config is checked
+
+    from k3train.model.model import K3Model  # noqa: PLC0415 - lazy: k3train.model loads torch
+
+    with torch.device("meta"):
+        names = {n for n, _ in K3Model(cfg.model, cfg.vision).named_modules() if n}
+    if spec.module not in names:
+        raise ConfigError(f"{INJECT_ENV}: the model has no module {spec.module!r} (e.g. layers.0.attn, lm_head)")
+    world = cfg.parallel.pp * cfg.parallel.dp * cfg.parallel.cp
+    if spec.rank is not None and cfg.parallel.dp > 0 and spec.rank >= world:
+        raise ConfigError(f"{INJECT_ENV}: rank={spec.rank} but the run has {world} ranks")
 
 
 def starts_from_hf(cfg: Config) -> bool:
     """Whether this start loads ``checkpoint.load_hf`` (set, and no checkpoint of the run to resume instead)."""
     if not cfg.checkpoint.load_hf:
         return False
-    from k3train.checkpoint.resume import resume_candidate  # noqa: PLC0415
+    from k3train.checkpoint.resume import resume_candidate  # noqa: PLC0415 - lazy: k3train.checkpoint loads torch
 
     return resume_candidate(cfg) is None
 
@@ -226,7 +246,7 @@ def check_load_hf(cfg: Config) -> None:
     """A fresh start from a Hugging Face checkpoint: the checkpoint matches the run (one line naming what does
     not), before any process group or model exists."""
     if starts_from_hf(cfg):
-        from k3train.hf.load import check_hf_checkpoint  # noqa: PLC0415
+        from k3train.hf.load import check_hf_checkpoint  # noqa: PLC0415 - lazy: k3train.hf loads torch
 
         check_hf_checkpoint(cfg)
 

@@ -13,56 +13,15 @@ import logging
 import os
 import sys
 
+from k3train.preflight import validate_run
+from k3train.runtime.bad_input import OneLineParser, is_bad_input, report_bad_input
 
-EXIT_BAD_INPUT = 2
 EXIT_RUN_FAILED = 1  # a collective failed: a peer rank died or stalled (resume with the same command)
 
 
-# Under torchrun the other ranks reach the same error as rank 0 (the checks are deterministic), but must not exit
-# first: torchrun tears the job down at the first exit, which could kill rank 0 before it prints. They wait this
-# long for that teardown (rank 0 exiting 2 triggers it) and then exit 2 themselves.
-PEER_WAIT_S = 60.0
-
-
-def report_bad_input(message: str) -> int:
-    """The one ``k3train: error:`` line (global rank 0 only) for bad input; returns the exit code."""
-    line = f"k3train: error: {' '.join(str(message).split())}"
-    if os.environ.get("RANK", "0") == "0":
-        print(line, file=sys.stderr, flush=True)
-        write_elastic_error_file(line)
-    elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        import time  # noqa: PLC0415
-
-        time.sleep(PEER_WAIT_S)
-    return EXIT_BAD_INPUT
-
-
-def write_elastic_error_file(line: str) -> None:
-    """Under torchrun, put our line in the worker's error file (``TORCHELASTIC_ERROR_FILE``): torchrun's failure
-    report then shows it as the root cause instead of a link to its docs. torchrun still prints that report (and
-    its own traceback) and exits 1 whenever a worker exits non-zero; ``k3train train`` validates before starting
-    torchrun, so bad input never gets that far there."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    import json  # noqa: PLC0415
-    import time  # noqa: PLC0415
-
-    try:
-        with open(path, "w") as f:
-            json.dump({"message": line, "timestamp": int(time.time())}, f)
-    except OSError:
-        pass  # the report only loses our line; the exit code and stderr line stand
-
-
-class _ArgumentParser(argparse.ArgumentParser):
-    def error(self, message: str):  # type: ignore[override] - one line, like every other bad input
-        sys.exit(report_bad_input(message))
-
-
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
-    ap = _ArgumentParser(prog="k3train.train", description=__doc__,
-                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineParser(prog="k3train.train", description=__doc__, name_command=False, rank_of_run=True,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="YAML run config (configs/tiny.yaml, configs/small.yaml, ...)")
     ap.add_argument("--check", action="store_true",
                     help="only validate config, layout and data (for --world-size processes), then exit")
@@ -74,19 +33,18 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(argv)
-    # torchrun's WORLD_SIZE, read without importing torch (k3train.runtime.process_groups.env_world_size reads the same), so
-    # that a config error is reported before torch, megatron and the data package load (in well under a second)
+    # torchrun's WORLD_SIZE, read without importing torch (k3train.runtime.process_groups.env_world_size reads the
+    # same), so that a config error is reported before torch, megatron and the data package load (in well under a
+    # second)
     world_size = args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
-    from k3train.preflight import is_bad_input, validate_run  # noqa: PLC0415
-
     if os.environ.get("RANK", "0") != "0":  # preflight warnings once, from rank 0; the trainer sets levels later
         logging.getLogger().setLevel(logging.ERROR)
     try:
         cfg = validate_run(args.config, overrides, world_size)
     except Exception as e:  # only bad input and "nothing to do" are handled; anything else is a bug: re-raised
         if is_bad_input(e):
-            return report_bad_input(str(e))
-        from k3train.checkpoint.resume import NothingToDo  # noqa: PLC0415 - imported late: it loads torch
+            return report_bad_input(e, rank_of_run=True)
+        from k3train.checkpoint.resume import NothingToDo  # noqa: PLC0415 - lazy: it loads torch
 
         if not isinstance(e, NothingToDo):
             raise
@@ -104,19 +62,20 @@ def main(argv: list[str] | None = None) -> int:
 def run_training(cfg) -> int:  # noqa: ANN001 - a validated k3train.config.Config
     """Train; turn the two ways a healthy rank stops early into one line each instead of a traceback per rank.
 
-    * Stop signal (SIGTERM / SIGINT, k3train/runtime/signals.py): every rank stopped after the same step and checkpointed
-      it; rank 0 prints ``k3train: stopped by SIGTERM at step N; checkpoint step_0000000N written ...``; exit
-      128 + signal (143 / 130: stopped early and resumable, not finished -- see k3train/runtime/signals.py).
+    * Stop signal (SIGTERM / SIGINT, k3train/runtime/signals.py): every rank stopped after the same step and
+      checkpointed it; rank 0 prints ``k3train: stopped by SIGTERM at step N; checkpoint step_0000000N written
+      ...``; exit 128 + signal (143 / 130: stopped early and resumable, not finished -- see k3train/runtime/signals.py).
     * A peer died or stalled in a collective (k3train/runtime/collective_errors.py): this rank prints ``k3train: error:
       rank R: collective OP on group G (ranks [...]) failed: ...`` and exits 1 at once (``os._exit``: tearing down
       process groups whose peer is gone aborts or hangs). torchrun then stops the others and exits non-zero; the
       same command resumes from the last complete checkpoint.
     * ``train.max_skipped_steps`` non-finite steps in a row, or a checkpoint about to hold NaN/inf
       (k3train/runtime/nonfinite.py): rank 0 prints ``k3train: error: stopping at step N: ...``; exit 3."""
-    from k3train.runtime.collective_errors import CollectiveWatch  # noqa: PLC0415
-    from k3train.runtime.nonfinite import EXIT_TRAINING_STOPPED, TrainingStopped  # noqa: PLC0415
-    from k3train.runtime.signals import StopRun  # noqa: PLC0415
-    from k3train.trainer import Trainer  # noqa: PLC0415
+    # lazy: these load torch, which is not loaded before the config is checked (main: validate_run)
+    from k3train.runtime.collective_errors import CollectiveWatch  # noqa: PLC0415 - lazy: torch, as above
+    from k3train.runtime.nonfinite import EXIT_TRAINING_STOPPED, TrainingStopped  # noqa: PLC0415 - lazy: torch
+    from k3train.runtime.signals import StopRun  # noqa: PLC0415 - lazy: torch, as above
+    from k3train.trainer import Trainer  # noqa: PLC0415 - lazy: torch, as above
 
     watch = CollectiveWatch().install()  # for the life of the process
     trainer = None
@@ -134,13 +93,12 @@ def run_training(cfg) -> int:  # noqa: ANN001 - a validated k3train.config.Confi
             print(f"k3train: error: {e}", file=sys.stderr, flush=True)
         return EXIT_TRAINING_STOPPED
     except BaseException as e:
-        from k3train.preflight import is_bad_input  # noqa: PLC0415
-
         if is_bad_input(e):  # found while resuming (a damaged resume=PATH): every rank agreed on it (the
-            from k3train.runtime.process_groups import shutdown  # noqa: PLC0415 - verification is collective); one line, exit 2
+            # verification is collective); one line, exit 2
+            from k3train.runtime.process_groups import shutdown  # noqa: PLC0415 - lazy: torch, as above
 
             shutdown()
-            return report_bad_input(str(e))
+            return report_bad_input(e, rank_of_run=True)
         rank = trainer.env.rank if trainer is not None else int(os.environ.get("RANK", "0"))
         line = watch.failure_line(e, rank)
         if line is None:

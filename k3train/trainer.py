@@ -29,13 +29,26 @@ from k3train.checkpoint import CheckpointManager, checkpoint_root, prepare_run_d
 from k3train.checkpoint.fingerprint import run_fingerprint, schedule_record
 from k3train.checkpoint.rng import get_rng_state, seed_everything, set_rng_state
 from k3train.config import Config, ConfigError
-from k3train.runtime.process_groups import init_distributed, shutdown
+from k3train.data import GlobalBatchLoader
+from k3train.draft.target import load_target
 from k3train.evaluate import Evaluator
+from k3train.hf.load import load_hf_weights, log_load_stats
+from k3train.model.kernels import (
+    Installed,
+    apply_kernels,
+    choose_kernels,
+    describe_kernels,
+    kernel_settings,
+    target_for,
+)
+from k3train.optim import build_optimizer, lr_at
+from k3train.parallelize import ParallelModel, parallelize
+from k3train.preflight import starts_from_hf
 from k3train.reporting.metrics import MetricsLogger, memory_gib, resolve_peak_flops
 from k3train.reporting.run_summary import RunSummary, gather_peak_memory
 from k3train.runtime.nonfinite import NonFiniteGuard, step_is_finite
+from k3train.runtime.process_groups import init_distributed, shutdown
 from k3train.runtime.signals import StopRun, StopSignals, signal_name
-from k3train.parallelize import ParallelModel, parallelize
 from parallel.dims import ParallelDims
 from parallel.pipeline.loss_norm import LossNorm
 
@@ -67,11 +80,8 @@ class _RankZeroWarnings(logging.Filter):
 
 
 def _apply_kernels(cfg: Config, pm: ParallelModel, device: torch.device) -> dict[str, Any]:
-    """Choose each op's kernel for this device (k3train/ops/dispatch.py), point the built layers at it, and log
+    """Choose each op's kernel for this device (k3train/model/kernels.py), point the built layers at it, and log
     one line per op (``kda: fla chunk_kda (triton)`` / ``kda: k3train chunked (torch)``, ``mla: ...``, ...)."""
-    from k3train.ops.dispatch import Installed, apply_kernels, choose_kernels, describe_kernels, kernel_settings, \
-        target_for
-
     choices = choose_kernels(kernel_settings(cfg.train), target_for(cfg, device), Installed.probe())
     apply_kernels(pm.modules, choices, cfg.model)
     for line in describe_kernels(choices):
@@ -100,20 +110,15 @@ class Trainer:
         seed_everything(cfg.train.seed)
 
         self.pm: ParallelModel = parallelize(cfg, self.dims, self.env.device)
-        from k3train.preflight import starts_from_hf
 
         if starts_from_hf(cfg):  # before the optimizer: its fp32 masters of bf16 parameters start from these values
-            from k3train.hf.load import load_hf_weights, log_load_stats
-
             log_load_stats(load_hf_weights(self.pm.modules, cfg), cfg.checkpoint.load_hf)
         self.kernels = _apply_kernels(cfg, self.pm, self.env.device)
-        from k3train.optim import build_optimizer, lr_at
 
         self._lr_at = lr_at
         self.optimizer = build_optimizer(self.pm.modules, cfg, self.dims, param_group_fn=self.pm.grad_group_fn,
                                          norm_exclude=self.pm.runner.replica_params)
         self.pm.set_chunk_backward_hook(self.optimizer)
-        from k3train.data import GlobalBatchLoader
 
         self.loader = GlobalBatchLoader.from_dims(cfg, self.dims, device=self.env.device)
         self.evaluator = Evaluator(cfg, self.dims, self.pm, self._comm_device, self.env.device)  # builds the valid split if used
@@ -125,8 +130,6 @@ class Trainer:
         self.step = 0
         resumed = self._maybe_resume()
         if self.pm.draft is not None and not resumed:  # a new EAGLE-3 draft run starts from the frozen target
-            from k3train.draft.target import load_target
-
             load_target(self.ckpt, self.pm, cfg)
             log.info("EAGLE-3 draft (%s loss, %d steps): target loaded from %s; training the MTP layer and W_E3",
                      cfg.train.draft_loss, cfg.train.draft_steps, cfg.checkpoint.target)

@@ -56,6 +56,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from kcp.comm import CommStats, all_gather_autograd, group_size_rank, pg
@@ -72,8 +73,6 @@ def exchange_with_partner(x: Tensor, group: Any, partner: int, stats: CommStats 
     """``x`` (any shape, the same on every rank) sent to ``partner``; returns the partner's ``x``. ONE
     ``all_to_all_single`` over ``group`` that every rank joins (rows of dim 0 go to the partner only; the middle
     rank of an odd group is its own partner). A copy of ``x`` without a group."""
-    import torch.distributed as dist
-
     size, _ = group_size_rank(group)
     if size == 1:
         return x.clone()

@@ -51,6 +51,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from k3train.model.vit import MediaLayout
 from kcp.comm import CommStats, all_gather_autograd, all_gather_stacked, group_size_rank
 from kcp.context import _resolve_group
 
@@ -186,8 +187,6 @@ class VisionCPContext:
     def local_layout(self, layout: Any) -> Any:
         """The encoder's layout of this rank's bands (``layout``: the whole micro-batch's, checked against the
         grids this context was built for), with :meth:`exchange_kv` when a media is split."""
-        from k3train.model.vit import MediaLayout
-
         if tuple(layout.grids) != self.plan.grids:
             raise ValueError(f"VisionCPContext: built for media grids {list(self.plan.grids)} but the encoder got "
                              f"{list(layout.grids)}")

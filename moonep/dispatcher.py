@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from k3train.model.moe import DownCut, expert_input_grad, grouped_expert_ffn
 from moonep.comm import CommBuffers, all_gather_counts, all_to_all_rows, token_buffer_rows, wait_all
 from moonep.fast_layout import counts_to_host, fast_rank_layout, plan_with_takes
 from moonep.grad_reduce import ReduceBack
@@ -69,12 +70,10 @@ def _saved_tensor_hooks_active() -> bool:
 
 
 def _grouped_ffn() -> Any:
-    from k3train.model.moe import grouped_expert_ffn  # late import: the model package imports nothing of ours
     return grouped_expert_ffn
 
 
 def _expert_input_grad() -> Any:
-    from k3train.model.moe import expert_input_grad
     return expert_input_grad
 
 
@@ -172,8 +171,6 @@ class EPDispatcher:
 
         Returns ``(x_leaf, weight_leaves, y, cut)`` (``cut``: the ``DownCut`` of a split backward, or None);
         empty ``x`` skips the FFN (its backward is zero)."""
-        from k3train.model.moe import DownCut
-
         x_leaf = x.detach().requires_grad_(grad)
         w_leaves = [w.detach().requires_grad_(grad) for w in weights]
         if x.shape[0] == 0:

@@ -19,9 +19,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from k3train.model.moe import Router
+
 
 def _routers(model: nn.Module | Iterable[nn.Module]) -> list[tuple[str, nn.Module]]:
-    from k3train.model.moe import Router
     mods = [model] if isinstance(model, nn.Module) else list(model)
     return [(name, m) for mod in mods for name, m in mod.named_modules() if isinstance(m, Router)]
 

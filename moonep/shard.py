@@ -24,7 +24,10 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
+from k3train.model.moe import GroupedExperts, LatentMoE
 from moonep.comm import CommBuffers
 from moonep.dispatcher import EPDispatcher, EPSide
 from moonep.replica_pool import ReplicaPool
@@ -48,7 +51,6 @@ class ExpertParallelState:
     def ep_mesh(self, dims: Any, device_type: str) -> Any:
         """1-D ``DeviceMesh`` over this rank's EP group (built once; None when ep == 1)."""
         if self._mesh is None and dims.group("ep") is not None:
-            from torch.distributed.device_mesh import DeviceMesh
             self._mesh = DeviceMesh.from_group(dims.group("ep"), device_type)
         return self._mesh
 
@@ -63,7 +65,6 @@ def _latent_moes(model: nn.Module | Iterable[nn.Module]) -> list[tuple[str, nn.M
 
 def _latent_moes_by_chunk(model: nn.Module | Iterable[nn.Module]) -> list[tuple[int, str, nn.Module]]:
     """``(chunk index, name, LatentMoE)`` in module (= forward) order."""
-    from k3train.model.moe import LatentMoE
     return [(c, name, m) for c, mod in enumerate(_modules(model)) for name, m in mod.named_modules()
             if isinstance(m, LatentMoE)]
 
@@ -86,7 +87,6 @@ def mark_expert_params(model: nn.Module | Iterable[nn.Module]) -> int:
     parameter, from its ``GroupedExperts`` (``expert_offset``, ``num_global_experts``). Idempotent; call it again
     after anything that replaces Parameter objects (``to_empty``, ``load_state_dict(assign=True)``), which drops
     Python attributes. Returns the number of parameters marked."""
-    from k3train.model.moe import GroupedExperts
     marked = 0
     for mod in _modules(model):
         for m in mod.modules():
@@ -186,7 +186,6 @@ def as_expert_dtensor(tensor: torch.Tensor, param: torch.Tensor, mesh: Any) -> A
     global_shape = getattr(param, "_k3_global_shape", None)
     if mesh is None or global_shape is None or tuple(global_shape) == tuple(tensor.shape):
         return tensor
-    from torch.distributed.tensor import DTensor, Shard
     stride = torch.empty(global_shape, device="meta").stride()
     return DTensor.from_local(tensor, mesh, [Shard(0)], run_check=False, shape=torch.Size(global_shape),
                               stride=stride)

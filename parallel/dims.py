@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from parallel.pairing import SidedGroup
+
 
 class ParallelConfigError(ValueError):
     """A parallel layout that cannot work; raised before any process group is built."""
@@ -207,7 +209,6 @@ class ParallelDims:
         g, twin = self.groups.get(kind), self.groups.get(f"{kind}_pair")
         if g is None or twin is None:
             return g
-        from parallel.pairing import SidedGroup
 
         return SidedGroup((g, twin))
 

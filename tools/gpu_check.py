@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT / "tests" / "gpu"))
 
 from gpu_cases import (experts_compare, kda_compare, kda_first_call, kda_speed, mla_compare,  # noqa: E402
                        mla_speed, small_corpus)
-from k3train.ops.dispatch import Installed, Target, choose_kernels, describe_kernels  # noqa: E402
+from k3train.model.kernels import Installed, Target, choose_kernels, describe_kernels  # noqa: E402
 from k3train.preflight import validate_run  # noqa: E402
 from k3train.trainer import Trainer  # noqa: E402
 

@@ -29,6 +29,13 @@ Megatron-Energon WebDataset (DIR/.nv-meta + tar shards of <key>.json + <key>.<n>
 A run on it: data.format=multimodal, data.path=PREFIX, data.tokenizer=...tokenizer-vl.json,
 data.media_placeholder_token='<|media_pad|>', model.media_placeholder_token_id=4096, model.vocab_size>=4099.
 
+Chat data for supervised fine-tuning (k3train/data/chat): --chat reads JSONL conversations ({"messages": [...]}
+per line), renders each with the tokenizer's chat template (tokenizer_config.json / chat_template.jinja beside it,
+or --chat-template FILE) and writes PREFIX.bin/.idx (tokens, EOS after every conversation) + PREFIX.mask.bin/.idx
+(1 on the assistant's tokens); a run on it: data.format=chat. A checkpoint's tiktoken tokenizer works as it is:
+  k3train prepare-data --chat --input chats.jsonl --tokenizer HF_DIR/tiktoken.model --bos-token '[BOS]' \
+      --eos-token '[EOS]' --pad-token '[PAD]' --output-prefix data_cache/my_chat
+
 A trained tokenizer can have fewer ids than --vocab-size (BPE stops when no pair of tokens occurs twice): a
 notice says how many it has (--exact-vocab-size makes that an error).
 """
@@ -42,6 +49,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from k3train.data.chat.prepare import prepare_chat  # noqa: E402
 from k3train.data.corpus import DEFAULT_CORPUS, DataError  # noqa: E402
 from k3train.data.multimodal.prepare import prepare_multimodal  # noqa: E402
 from k3train.data.multimodal.shipped import build_shipped_shards  # noqa: E402
@@ -54,7 +62,8 @@ from k3train.data.tokenizer import (BOS, DEFAULT_TOKENIZER, DEFAULT_VOCAB_SIZE, 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--input", nargs="+", metavar="FILE", help="input .jsonl[.gz] / .txt[.gz] files")
-    ap.add_argument("--tokenizer", help="tokenizer.json to use (or to write with --train-tokenizer)")
+    ap.add_argument("--tokenizer", help="tokenizer.json or tiktoken.model to use (or the tokenizer.json to write with "
+                    "--train-tokenizer)")
     ap.add_argument("--shipped-corpus", action="store_true",
                     help=f"defaults: --input {DEFAULT_CORPUS.relative_to(ROOT)} --tokenizer {DEFAULT_TOKENIZER.relative_to(ROOT)}")
     ap.add_argument("--output-prefix", help="write PREFIX.bin / PREFIX.idx / PREFIX.meta.json")
@@ -74,6 +83,10 @@ def _parser() -> argparse.ArgumentParser:
                     "PREFIX_wds/ and prepare it (defaults: tokenizer-vl.json, --media-token '<|media_pad|>')")
     ap.add_argument("--max-media-pixels", type=int, default=3584 * 3584,
                     help="largest image / frame (height*width px, after resizing to multiples of 28) to accept")
+    ap.add_argument("--chat", action="store_true", help="the inputs are JSONL conversations: write tokens + the "
+                    "assistant-only loss mask (data.format=chat)")
+    ap.add_argument("--chat-template", metavar="FILE", help="with --chat: a jinja chat template to use instead of the "
+                    "tokenizer's")
     ap.add_argument("--json-key", default="text", help="document field of .jsonl inputs")
     ap.add_argument("--skip-empty", action="store_true", help="drop empty documents instead of failing")
     ap.add_argument("--batch-size", type=int, default=256, help="documents per tokenizer batch")
@@ -86,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if a.multimodal or a.shipped_multimodal:
             prepare_multimodal_main(ap, a)
+        elif a.chat:
+            prepare_chat_main(ap, a)
         else:
             prepare_text_main(ap, a)
     except DataError as e:
@@ -118,6 +133,21 @@ def prepare_text_main(ap: argparse.ArgumentParser, a: argparse.Namespace) -> Non
         info = prepare(a.input, a.tokenizer, a.output_prefix, a.json_key, a.skip_empty, a.batch_size, special)
         print(f"wrote {a.output_prefix}.bin/.idx: {info.num_documents} documents, {info.num_tokens} tokens "
               f"({info.dtype.__name__}) in {time.perf_counter() - t0:.1f}s")
+
+
+def prepare_chat_main(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    if not a.input or not a.tokenizer or not a.output_prefix:
+        ap.error("--chat needs --input, --tokenizer and --output-prefix")
+    if a.train_tokenizer:
+        ap.error("--chat uses the checkpoint's tokenizer (no --train-tokenizer)")
+    tok = load_tokenizer(a.tokenizer, SpecialTokens(a.bos_token, a.eos_token, a.pad_token, a.media_token))
+    t0 = time.perf_counter()
+    info, stats = prepare_chat(a.input, tok, a.output_prefix, a.chat_template)
+    dt = time.perf_counter() - t0
+    print(f"wrote {a.output_prefix}.bin/.idx + .mask.bin/.mask.idx: {stats.conversations} conversations, "
+          f"{stats.tokens} tokens ({stats.assistant_tokens} assistant tokens, "
+          f"{stats.assistant_tokens / max(stats.tokens, 1):.1%}) in {dt:.1f}s ({stats.tokens / max(dt, 1e-9):,.0f} "
+          "tokens/s)")
 
 
 def prepare_multimodal_main(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:

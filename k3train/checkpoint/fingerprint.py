@@ -14,8 +14,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from k3train.config import Config
-from k3train.data.tokenizer import file_sha256
+from k3train.config import Config, ModelConfig
+from k3train.data.tokenizer import tokenizer_sha256
+from k3train.optim.schedule import lr_at
 
 # model fields with no effect on the maths of a run (activation recomputation and chunking only trade memory; the
 # chunk sizes change at most the order of fp32 sums), so a resume may change them to fit another device
@@ -33,7 +34,9 @@ def run_fingerprint(cfg: Config) -> dict[str, Any]:
     out["data.path"] = str(Path(cfg.data.path).resolve())
     out["data.split"] = cfg.data.split
     tok = Path(cfg.data.tokenizer)
-    out["data.tokenizer_sha256"] = file_sha256(tok) if tok.is_file() else ""
+    out["data.tokenizer_sha256"] = tokenizer_sha256(tok)
+    if cfg.data.format == "chat":  # which conversations rows hold (absent otherwise: older checkpoints compare)
+        out["data.chat_overlong"] = cfg.data.chat_overlong
     out["train.seed"] = cfg.train.seed
     out["train.seq_len"] = cfg.train.seq_len
     out["train.global_batch_size"] = cfg.train.global_batch_size
@@ -48,8 +51,6 @@ def run_fingerprint(cfg: Config) -> dict[str, Any]:
 
 def _field_default(key: str) -> Any:
     """The declared default of a ``model.*`` field, or a sentinel when it has none."""
-    from k3train.config import ModelConfig
-
     name = key.split(".", 1)[1] if key.startswith("model.") else None
     for f in dataclasses.fields(ModelConfig):
         if f.name == name and f.default is not dataclasses.MISSING:
@@ -85,7 +86,6 @@ def schedule_change(old: dict[str, Any], cfg: Config, step: int) -> str | None:
     new = schedule_record(cfg)
     if old == new:
         return None
-    from k3train.optim.schedule import lr_at
 
     changed = [f"train.steps {old['train.steps']} -> {new['train.steps']}"] if old["train.steps"] != new[
         "train.steps"] else []

@@ -32,7 +32,9 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
@@ -149,9 +151,6 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 def dcp_load(state: dict[str, Any], ckpt_dir: str | Path, reader: SafeFileSystemReader | None = None) -> None:
     """``torch.distributed.checkpoint.load`` of ``ckpt_dir`` into ``state`` (in place) through the safe reader
     and planner (collective under torch.distributed, like ``dcp.load``)."""
-    import torch.distributed.checkpoint as dcp  # noqa: PLC0415
-    from torch.distributed.checkpoint.api import CheckpointException  # noqa: PLC0415
-
     try:
         dcp.load(state, storage_reader=reader or SafeFileSystemReader(ckpt_dir), planner=SafeLoadPlanner())
     except CheckpointException as e:  # DCP gathers every rank's failures: all ranks refuse with the same line

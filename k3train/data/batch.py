@@ -41,6 +41,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from k3train.model.media import MediaInputs
+
 if TYPE_CHECKING:  # imported where used: k3train.model's package imports the whole model
     from k3train.model.media import MediaInputs
 
@@ -157,7 +159,6 @@ class Batch:
                              "the placeholders of all rows)")
         if self.media_rows is None:
             raise ValueError("a batch with media needs media_rows to be split into micro-batches")
-        from k3train.model.media import MediaInputs
 
         patches = self.media.grid_thw.prod(dim=1)
         first = torch.cat([torch.zeros(1, dtype=torch.long), patches.cumsum(0)])
@@ -191,7 +192,6 @@ class Batch:
                     raise ValueError("CP slices of one micro-batch must carry the same media")
             out.media, out.media_rows = m0, batches[0].media_rows
             return out
-        from k3train.model.media import MediaInputs
 
         offsets = torch.tensor([0] + [b.tokens.shape[0] for b in batches]).cumsum(0)
         out.media = MediaInputs(torch.cat([m.pixel_values for m in media]), torch.cat([m.grid_thw for m in media]))

@@ -36,8 +36,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch.distributed as dist
 
-from k3train.config import SPLIT_NAMES
+from k3train.config import SPLIT_NAMES, ConfigError, parse_split
 from k3train.data.corpus import DataError
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,9 @@ def _mcore() -> Iterator[None]:
         warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
         warnings.filterwarnings("ignore", category=DeprecationWarning)  # megatron's own import-time notices
         yield
+
+
+mcore_quiet = _mcore  # the public name (other data modules import megatron through it)
 
 
 def idx_path(prefix: str | Path) -> Path:
@@ -204,11 +208,15 @@ def check_split_sizes(info: IndexInfo, split: str, seq_len: int, names: Iterable
 # Writing
 # --------------------------------------------------------------------------------------------------------------
 def write_indexed_dataset(prefix: str | Path, documents: Iterable[list[int] | np.ndarray], eos_id: int,
-                          vocab_size: int, meta: dict[str, Any] | None = None) -> IndexInfo:
+                          vocab_size: int, meta: dict[str, Any] | None = None,
+                          extra_files: tuple[str, str] | None = None) -> IndexInfo:
     """Write ``PREFIX.bin/.idx`` (+ ``PREFIX.meta.json``) with Megatron's ``IndexedDatasetBuilder``: one
     sequence per document, ``eos_id`` appended to every document. Files are written under temporary names
-    and renamed at the end, so a reader never sees a half-written dataset. Returns the validated index."""
+    and renamed at the end, so a reader never sees a half-written dataset. ``extra_files=(TMP, FINAL)``: a companion
+    dataset written under prefix TMP while ``documents`` ran (e.g. the chat loss mask) is renamed to FINAL with them.
+    Returns the validated index."""
     with _mcore():
+        # lazy: megatron-core takes seconds to import; only where an indexed dataset is read or built
         from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
     prefix = Path(prefix)
@@ -231,6 +239,9 @@ def write_indexed_dataset(prefix: str | Path, documents: Iterable[list[int] | np
         info_meta = {"format": "megatron-indexed", "documents": n_docs, "tokens": n_tokens,
                      "eos_id": eos_id, "vocab_size": vocab_size, "dtype": np.dtype(dtype).name, **(meta or {})}
         meta_path(tmp).write_text(json.dumps(info_meta, indent=1) + "\n")
+        if extra_files is not None:
+            for fn in (bin_path, idx_path):
+                os.replace(fn(extra_files[0]), fn(extra_files[1]))
         for fn in (bin_path, idx_path, meta_path):
             os.replace(fn(tmp), fn(prefix))
     finally:
@@ -243,6 +254,7 @@ def write_indexed_dataset(prefix: str | Path, documents: Iterable[list[int] | np
 def read_documents_back(prefix: str | Path) -> Iterator[np.ndarray]:
     """Yield each document's tokens (including its EOS) through Megatron's ``IndexedDataset``."""
     with _mcore():
+        # lazy: megatron-core takes seconds to import; only where an indexed dataset is read or built
         from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     info = validate_indexed_dataset(prefix)
@@ -260,6 +272,7 @@ def _megatron_tokenizer(tokenizer: Any) -> Any:
     """A ``MegatronTokenizerBase`` view of our tokenizer: GPTDataset only reads ``eod``, ``pad``,
     ``vocab_size``, ``special_tokens_dict`` and (for its cache key) ``unique_identifiers``."""
     with _mcore():
+        # lazy: megatron-core takes seconds to import; only where an indexed dataset is read or built
         from megatron.core.tokenizers import MegatronTokenizerBase
 
     class _View(MegatronTokenizerBase):
@@ -301,6 +314,7 @@ def ensure_helpers() -> None:
     here and a missing module is reported clearly instead."""
     try:
         with _mcore():
+            # lazy: megatron-core takes seconds to import; only where an indexed dataset is read or built
             from megatron.core.datasets import helpers_cpp  # noqa: F401
     except ImportError as e:
         raise DataError(f"megatron.core.datasets.helpers_cpp is not importable ({e}); reinstall megatron-core "
@@ -313,8 +327,6 @@ def split_document_ranges(num_sequences: int, split: str) -> list[tuple[int, int
     by cumulative sums, ``round(bookend * num_sequences)`` -- Megatron's ``parse_and_normalize_split``,
     ``convert_split_vector_to_split_matrix`` and builder, in the same float operations (a test compares them),
     written out so that preflight does not import megatron (seconds) to check a split."""
-    from k3train.config import ConfigError, parse_split
-
     try:  # Megatron's parser picks numbers out with a regex and accepts anything; ours is strict
         weights = parse_split(split)
     except ConfigError as e:
@@ -352,10 +364,11 @@ def build_gpt_datasets(prefix: str | Path, tokenizer: Any, seq_len: int, seed: i
     COLLECTIVE over the default process group when ``torch.distributed`` is initialised (Megatron's rank-0
     build + ``barrier``): call it on every rank, in the same order. Raises :class:`DataError` for bad files
     and for splits too small to yield one sample."""
-    import torch.distributed as dist
-
     with _mcore():
+        # lazy: megatron-core takes seconds to import; only where an indexed dataset is read or built
         from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+
+        # lazy: megatron-core takes seconds to import; only where an indexed dataset is read or built
         from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
     prefix = Path(os.path.abspath(prefix))

@@ -15,7 +15,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from k3train.checkpoint.fingerprint import fingerprint_diff, run_fingerprint
+from k3train.checkpoint.manager import COMPLETE, read_info, verify
+from k3train.checkpoint.safe_load import SafeFileSystemReader
 from k3train.config import Config, ConfigError
+from k3train.model.model import K3Model
 
 # model fields that do not change the function a trained target computes (initialisation, the MTP loss weight of
 # its training, the router-balancing rule that moved its biases, kernel tiling): they may differ in the draft run
@@ -30,9 +36,6 @@ def _fail(cfg: Config, msg: str) -> None:
 
 def check_target(cfg: Config) -> None:
     """Preflight of ``checkpoint.target`` for ``train.objective=eagle3`` (module docstring)."""
-    from k3train.checkpoint.fingerprint import fingerprint_diff, run_fingerprint  # noqa: PLC0415
-    from k3train.checkpoint.manager import COMPLETE, read_info, verify  # noqa: PLC0415
-
     path = Path(cfg.checkpoint.target)
     if not path.is_dir():
         _fail(cfg, f"{path} does not exist")
@@ -60,10 +63,6 @@ def check_target(cfg: Config) -> None:
 
 def _check_shapes(cfg: Config, path: Path) -> None:
     """Every tensor of this run's model (except W_E3) is in the target's DCP metadata with the same shape."""
-    import torch  # noqa: PLC0415
-
-    from k3train.checkpoint.safe_load import SafeFileSystemReader  # noqa: PLC0415
-    from k3train.model.model import K3Model  # noqa: PLC0415
 
     try:
         stored = SafeFileSystemReader(path).read_metadata().state_dict_metadata

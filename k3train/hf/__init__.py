@@ -14,14 +14,14 @@ from pathlib import Path
 import torch
 
 from k3train.hf.config_map import config_from_hf
+from k3train.hf.load import check_hf_checkpoint, load_hf_weights
+from k3train.model.model import K3Model
+from k3train.model.seq import SeqInfo
 
 
 def from_pretrained(hf_dir: str | Path, dtype: torch.dtype = torch.float32, overrides: list[str] | None = None):
     """A single-process :class:`k3train.model.model.K3Model` of the checkpoint's config with its weights, in
     ``dtype``, in eval mode. ``overrides``: ``--section.key=value`` (e.g. ``--model.kda_chunk_size=16``)."""
-    from k3train.hf.load import check_hf_checkpoint, load_hf_weights  # noqa: PLC0415
-    from k3train.model.model import K3Model  # noqa: PLC0415
-
     cfg = config_from_hf(hf_dir, overrides, world_size=1)
     check_hf_checkpoint(cfg)
     model = K3Model(cfg.model, cfg.vision)
@@ -32,8 +32,6 @@ def from_pretrained(hf_dir: str | Path, dtype: torch.dtype = torch.float32, over
 
 def logits(model, input_ids: torch.Tensor) -> torch.Tensor:
     """``[B, T, V]`` next-token logits of ``input_ids [B, T]`` (each row one document, positions 0..T-1)."""
-    from k3train.model.seq import SeqInfo  # noqa: PLC0415
-
     B, T = input_ids.shape
     doc_ids = torch.zeros(B, T, dtype=torch.long, device=input_ids.device)
     positions = torch.arange(T, device=input_ids.device).expand(B, T)

@@ -23,19 +23,45 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
 import yaml
 
-from k3train.cli import OneLineParser as _Parser
-from k3train.cli import bad_input as _bad_input
+from k3train.config import ConfigError, load_config
+from k3train.data.corpus import DataError
+from k3train.data.tiktoken_tokenizer import RANKS_NAME
+from k3train.data.tokenizer_config import read_tokenizer_config
+from k3train.hf.config_map import read_config_json, sections_from_config_json, text_config_from_model
+from k3train.hf.export import check_output_dir, write_hf_shards
+from k3train.hf.load import check_hf_checkpoint
+from k3train.parallelize import parallelize
+from k3train.preflight import validate_run
+from k3train.runtime.bad_input import OneLineParser, is_bad_input, report_bad_input
+from k3train.runtime.process_groups import init_distributed, shutdown
+from parallel.dims import ParallelDims
 
 
 # ------------------------------------------------------------------------------------------------------------------
 # import-hf
 # ------------------------------------------------------------------------------------------------------------------
+def tokenizer_section(hf_dir: Path) -> dict[str, Any]:
+    """``data`` values for the checkpoint's own tokenizer: ``data.tokenizer`` at its ``tokenizer.json``, else at its
+    tiktoken ranks file ``tiktoken.model`` (k3train/data/tiktoken_tokenizer.py), and the special-token names its
+    ``tokenizer_config.json`` gives (``data.bos_token`` / ``eos_token`` / ``pad_token``)."""
+    for name in ("tokenizer.json", RANKS_NAME):
+        if (hf_dir / name).is_file():
+            out: dict[str, Any] = {"tokenizer": str(hf_dir / name)}
+            try:
+                named = read_tokenizer_config(hf_dir / name).named_tokens
+            except DataError as e:
+                raise ConfigError(f"import-hf: {e}") from None
+            out.update({key: named[key] for key in ("bos_token", "eos_token", "pad_token") if key in named})
+            return out
+    return {}
+
+
 def import_config_text(hf_dir: Path) -> str:
     """The run config ``import-hf`` writes (YAML text) for checkpoint ``hf_dir``."""
-    from k3train.hf.config_map import read_config_json, sections_from_config_json  # noqa: PLC0415
-
     cj = read_config_json(hf_dir, "import-hf")
     fmt, model, vision = sections_from_config_json(cj, f"import-hf: {hf_dir / 'config.json'}")
     if fmt == "kimi_linear":  # trained with the aux-loss-free sign update of e_score_correction_bias
@@ -44,8 +70,9 @@ def import_config_text(hf_dir: Path) -> str:
     if vision:
         doc["vision"] = vision
     doc["checkpoint"] = {"load_hf": str(hf_dir)}
-    if (hf_dir / "tokenizer.json").is_file():
-        doc["data"] = {"tokenizer": str(hf_dir / "tokenizer.json")}
+    data = tokenizer_section(hf_dir)
+    if data:
+        doc["data"] = data
     head = (f"# k3train run config written by `k3train import-hf {hf_dir}` from its config.json ({fmt}).\n"
             f"# model / vision: the checkpoint's (a run must keep them); checkpoint.load_hf: a fresh run starts from\n"
             f"# its weights in any parallel layout. Set data.path (prepared with the checkpoint's tokenizer),\n"
@@ -54,13 +81,11 @@ def import_config_text(hf_dir: Path) -> str:
 
 
 def import_hf_main(argv: list[str]) -> int:
-    ap = _Parser(prog="k3train import-hf", description=__doc__.split("\n\n")[1],
-                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineParser(prog="k3train import-hf", description=__doc__.split("\n\n")[1],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("hf_dir", help="Hugging Face checkpoint directory (config.json + safetensors)")
     ap.add_argument("-o", "--output", required=True, help="run config to write (YAML; must not exist)")
     a = ap.parse_args(argv)
-    from k3train.config import ConfigError, load_config  # noqa: PLC0415
-
     hf_dir, out = Path(a.hf_dir).resolve(), Path(a.output)
     try:
         if out.exists():
@@ -70,15 +95,13 @@ def import_hf_main(argv: list[str]) -> int:
         tmp.write_text(text)
         try:
             cfg = load_config(tmp)
-            from k3train.hf.load import check_hf_checkpoint  # noqa: PLC0415
-
             plan = check_hf_checkpoint(cfg)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
         os.replace(tmp, out)
     except ConfigError as e:
-        return _bad_input(str(e))
+        return report_bad_input(e)
     experts = sorted({type(s).__name__ for s in plan.values() if s.name.startswith(("per_expert", "fused"))})
     print(f"k3train: wrote {out}: {cfg.model.num_hidden_layers} layers, {len(plan)} tensors from {hf_dir}"
           + (f" (routed experts: {', '.join(experts)})" if experts else ""), flush=True)
@@ -99,9 +122,9 @@ def _size(text: str) -> int:
 
 
 def _export_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="k3train export-hf", allow_abbrev=False,
-                 description="write a k3train checkpoint in the published Hugging Face layout; every other "
-                             "--section.key=value argument overrides the config (e.g. the layout)")
+    ap = OneLineParser(prog="k3train export-hf", allow_abbrev=False,
+                       description="write a k3train checkpoint in the published Hugging Face layout; every other "
+                                   "--section.key=value argument overrides the config (e.g. the layout)")
     ap.add_argument("--config", required=True, help="the run's config (e.g. RUN_DIR/config.yaml)")
     ap.add_argument("--checkpoint", required=True, help="a complete k3train checkpoint directory (step_XXXXXXXX)")
     ap.add_argument("-o", "--output", required=True, help="output directory (new or empty)")
@@ -115,11 +138,8 @@ def _export_parser() -> argparse.ArgumentParser:
 
 
 def _validate_export(a: argparse.Namespace, overrides: list[str]):
+    # lazy: k3train.checkpoint.manager loads torch.distributed.checkpoint (a second), which import-hf never needs
     from k3train.checkpoint.manager import verify  # noqa: PLC0415
-    from k3train.config import ConfigError  # noqa: PLC0415
-    from k3train.hf.config_map import text_config_from_model  # noqa: PLC0415
-    from k3train.hf.export import check_output_dir  # noqa: PLC0415
-    from k3train.preflight import validate_run  # noqa: PLC0415
 
     if a.nproc < 1:
         raise ConfigError(f"export-hf: --nproc must be >= 1, got {a.nproc}")
@@ -143,14 +163,12 @@ def export_hf_main(argv: list[str]) -> int:
     """The launcher: validate once, then export in this process (``--nproc 1``) or replace this process with
     torchrun running :func:`export_rank_main` on every rank."""
     a, overrides = _export_parser().parse_known_args(argv)
-    from k3train.preflight import is_bad_input  # noqa: PLC0415
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = _validate_export(a, overrides)
     except Exception as e:
         if is_bad_input(e):
-            return _bad_input(str(e))
+            return report_bad_input(e)
         raise
     if a.nproc == 1:
         return run_export(cfg, a)
@@ -167,14 +185,8 @@ def export_hf_main(argv: list[str]) -> int:
 
 def run_export(cfg: Any, a: argparse.Namespace) -> int:
     """One rank of the export (or the only process): build this rank's part, load the checkpoint, write."""
-    import torch  # noqa: PLC0415
-    import torch.distributed as dist  # noqa: PLC0415
-
+    # lazy: torch.distributed.checkpoint (a second), which import-hf never needs
     from k3train.checkpoint.safe_load import dcp_load  # noqa: PLC0415
-    from k3train.runtime.process_groups import init_distributed, shutdown  # noqa: PLC0415
-    from k3train.hf.export import write_hf_shards  # noqa: PLC0415
-    from k3train.parallelize import parallelize  # noqa: PLC0415
-    from parallel.dims import ParallelDims  # noqa: PLC0415
 
     env = init_distributed(cfg.parallel.backend, cfg.train.device, cfg.parallel.collective_timeout_s,
                            cfg.train.num_threads)
@@ -211,18 +223,14 @@ def export_rank_main() -> int:
     """``python -m k3train.hf.commands ...`` under torchrun: one rank of ``export-hf`` (validated by the launcher;
     every rank validates again, cheaply, so a direct torchrun call is safe too)."""
     a, overrides = _export_parser().parse_known_args(sys.argv[1:])
-    from k3train.preflight import is_bad_input  # noqa: PLC0415
-
     logging.basicConfig(level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        from k3train.config import load_config  # noqa: PLC0415
-
         cfg = load_config(a.config, overrides, int(os.environ.get("WORLD_SIZE", "1")))
         a.max_shard_bytes = _size(a.max_shard_size)
     except Exception as e:
         if is_bad_input(e) and os.environ.get("RANK", "0") == "0":
-            return _bad_input(str(e))
+            return report_bad_input(e)  # as a launcher would: the other ranks raise (and torchrun reports them)
         raise
     return run_export(cfg, a)
 

@@ -30,6 +30,7 @@ from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 from torch import nn
 
 from k3train.config import Config, ConfigError
@@ -37,6 +38,7 @@ from k3train.hf.config_map import config_json_from_config, read_config_json
 from k3train.hf.load import _peak_rss_gib, choose_source
 from k3train.hf.names import Part, PerExpert, PerExpertMXFP4, Slot, Source, model_slots
 from k3train.hf.safetensors_dir import INDEX, HFCheckpointDir
+from k3train.quant.qat import expert_weight_to_mxfp4
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +82,6 @@ class _Writer:
         self.pending_bytes += n
 
     def flush(self) -> None:
-        from safetensors.torch import save_file  # noqa: PLC0415
-
         if not self.pending:
             return
         name = f".rank{self.rank:05d}-{len(self.files):05d}.safetensors.part"
@@ -120,8 +120,6 @@ def _expert_source(slot: Slot, src: Source | None, experts: str) -> Source:
 def _slot_pieces(slot: Slot, src: Source, t: torch.Tensor, offset: int, source: HFCheckpointDir | None,
                  source_src: Source | None) -> list[tuple[Part, int, int, torch.Tensor]]:
     if isinstance(src, PerExpertMXFP4):
-        from k3train.quant.qat import expert_weight_to_mxfp4  # noqa: PLC0415
-
         rows = range(offset, offset + t.shape[0])
         like = source_src.load_codes(source.read, rows) if isinstance(source_src, PerExpertMXFP4) else None
         packed, scales = expert_weight_to_mxfp4(t.float(), like)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from k3train.config import Config, ConfigError
@@ -127,8 +128,6 @@ def load_hf_weights(modules: Iterable[nn.Module], cfg: Config, hf_dir: str | Pat
 def log_load_stats(stats: dict[str, Any], hf_dir: str | Path) -> None:
     """Rank 0 logs every rank's import time, bytes read and peak RSS (one all_gather_object over the world, which
     every rank joins once)."""
-    import torch.distributed as dist  # noqa: PLC0415
-
     every = [stats]
     if dist.is_initialized() and dist.get_world_size() > 1:
         every = [None] * dist.get_world_size()

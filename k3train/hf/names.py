@@ -57,6 +57,9 @@ import torch
 
 from k3train.config import Config, ConfigError
 from k3train.hf.config_map import hf_format
+from k3train.model.model import K3Model
+from k3train.model.moe import GroupedExperts
+from k3train.quant.qat import expert_weight_from_mxfp4
 
 # read(key, index) -> the tensor (or the indexed block of it) as stored
 Reader = Callable[[str, tuple[slice, ...] | None], torch.Tensor]
@@ -189,8 +192,6 @@ class PerExpertMXFP4(Source):
                 torch.stack(scales) if scales else torch.empty(0, *s0, dtype=torch.uint8))
 
     def load(self, read: Reader, shape: tuple[int, ...], rows: range | None) -> torch.Tensor:
-        from k3train.quant.qat import expert_weight_from_mxfp4
-
         packed, scales = self.load_codes(read, rows if rows is not None else range(shape[0]))
         return expert_weight_from_mxfp4(packed, scales, torch.float32)
 
@@ -393,9 +394,6 @@ def sources_for(fqn: str, shape: tuple[int, ...], cfg: Config) -> list[Source]:
 def model_tensors(cfg: Config) -> list[tuple[str, tuple[int, ...], bool]]:
     """``(fqn, full shape, is a routed-expert stack)`` of everything a K3Model of ``cfg`` saves (parameters and
     persistent buffers), from a model built on the meta device (no memory)."""
-    from k3train.model.model import K3Model  # noqa: PLC0415
-    from k3train.model.moe import GroupedExperts  # noqa: PLC0415
-
     with torch.device("meta"):
         model = K3Model(cfg.model, cfg.vision)
     experts = {f"{n}.{p}" for n, mod in model.named_modules() if isinstance(mod, GroupedExperts)

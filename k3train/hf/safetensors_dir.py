@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from k3train.config import ConfigError
 
@@ -128,8 +129,6 @@ class HFCheckpointDir:
     # ------------------------------------------------------------------------------------------------------------
     def read(self, key: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
         """Tensor ``key`` (or its block ``index``: one slice per leading dim) as stored, on the CPU."""
-        from safetensors import safe_open  # noqa: PLC0415
-
         info = self.tensors.get(key)
         if info is None:
             raise ConfigError(f"{self.where}: tensor {key} is not in the checkpoint")

@@ -13,7 +13,8 @@ from k3train.model.block import K3Layer
 from k3train.model.conv import ShortConv, causal_depthwise_conv
 from k3train.model.flops import model_flops_per_token, param_breakdown
 from k3train.model.kda import KDALayer
-from k3train.model.mla import MLA, MaskInfo, attention_core
+from k3train.model.mla import MLA
+from k3train.ops.mla_dense import MaskInfo, attention_core
 from k3train.model.model import K3Model
 from k3train.model.mtp import MTPLayer
 from k3train.model.seq import SeqInfo

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 
 def head_ranges(num_heads: int, chunk: int) -> list[tuple[int, int]]:
@@ -47,7 +48,6 @@ def maybe_checkpoint(fn: Callable[..., Any], *args: Any, enabled: bool) -> Any:
     inputs are kept, and the backward re-runs ``fn`` (collectives inside it included, on every rank alike)."""
     if not enabled or not torch.is_grad_enabled():
         return fn(*args)
-    from torch.utils.checkpoint import checkpoint
 
     return checkpoint(fn, *args, use_reentrant=False)
 

@@ -47,7 +47,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from k3train.model.attnres import AttnResState
-from k3train.model.mla import MLA, MaskInfo
+from k3train.model.loss import CE_CHUNK_TOKENS
+from k3train.model.mla import MLA
+from k3train.ops.mla_dense import MaskInfo
 from k3train.model.seq import SeqInfo
 
 DRAFT_LOSSES = ("lk", "kl")
@@ -193,9 +195,9 @@ def divergence_sum(hq: torch.Tensor, hp: torch.Tensor, lm_head: nn.Module, mask:
     """``(sum_t mask_t loss_t, acceptance [N])`` for draft LM-head inputs ``hq [B, T, d]`` against target LM-head
     inputs ``hp [B, T, d]`` (the shared ``lm_head``), without holding all logits: chunks of ``chunk_tokens``
     tokens (default ``CE_CHUNK_TOKENS``) run under activation checkpointing, as
-    :func:`k3train.model.model.lm_head_ce_sum`."""
+    :func:`k3train.model.loss.lm_head_ce_sum`."""
     if chunk_tokens is None:
-        from k3train.model.model import CE_CHUNK_TOKENS as chunk_tokens  # (model.py imports this module)
+        chunk_tokens = CE_CHUNK_TOKENS
     q_in, p_in, msk = hq.reshape(-1, hq.shape[-1]), hp.reshape(-1, hp.shape[-1]), mask.reshape(-1)
     if q_in.shape[0] <= chunk_tokens or not torch.is_grad_enabled():
         parts = [_divergence_chunk(q_in[s:s + chunk_tokens], p_in[s:s + chunk_tokens], msk[s:s + chunk_tokens],

@@ -16,7 +16,7 @@ fp32 (K3 keeps attention outputs in FP32 in training). By default it runs blockw
 keys and values expanded from the latent one key block at a time, blocks the mask empties skipped, the QK-Clip max
 from the same pass -- nothing of size ``[Tq, Tk]`` and no all-keys K/V, so 1M-token contexts fit. The readable
 dense reference is :func:`attention_core` (+ :func:`masked_logit_max`) on the fully expanded K/V; setting
-``MLA.attention_op`` to it (or to any op of its signature, e.g. a GPU flash kernel: k3train/ops/dispatch.py)
+``MLA.attention_op`` to it (or to any op of its signature, e.g. a GPU flash kernel: k3train/model/kernels.py)
 switches a layer to that path. Parameter names follow HF DeepSeek-V3 (``q_a_proj`` = W_dq, ``q_b_proj`` = W_uq,
 ``kv_a_proj_with_mqa`` = W_dkv, ``kv_b_proj`` = W_ukv); the gate is ``g_proj``.
 
@@ -25,7 +25,6 @@ optimizer last reset it, updated under ``no_grad`` in training when ``track_qk_m
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -36,49 +35,8 @@ from k3train.model.chunking import chunked_output, head_ranges, in_backward_pass
 from k3train.model.norm import RMSNorm
 from k3train.model.seq import SeqInfo
 from k3train.ops.mla_blockwise import blockwise_mla_attention
+from k3train.ops.mla_dense import MaskInfo, masked_logit_max
 from k3train.optim.param_groups import mark_per_head
-
-
-@dataclass
-class MaskInfo:
-    """What the causal + document mask needs: ``[B, Tq]`` query and ``[B, Tk]`` key document ids and positions."""
-
-    q_doc: torch.Tensor
-    q_pos: torch.Tensor
-    k_doc: torch.Tensor
-    k_pos: torch.Tensor
-    # the blockwise op's block plans by block size (k3train/ops/mla_blockwise.py: made once per mask)
-    plans: dict = field(default_factory=dict, repr=False, compare=False)
-
-    def dense(self) -> torch.Tensor:
-        """Boolean ``[B, 1, Tq, Tk]``, True where the query may attend to the key."""
-        causal = self.k_pos[:, None, :] <= self.q_pos[:, :, None]
-        same_doc = self.k_doc[:, None, :] == self.q_doc[:, :, None]
-        return (causal & same_doc)[:, None]
-
-
-def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask_info: MaskInfo,
-                   scale: float) -> torch.Tensor:
-    """Masked softmax attention in fp32.
-
-    Shapes: ``q [B, H, Tq, Dqk]``, ``k [B, H, Tk, Dqk]``, ``v [B, H, Tk, Dv]`` -> ``[B, H, Tq, Dv]`` (fp32).
-    Every query sees at least itself (its own key is among the keys and passes the mask), so no row is empty.
-    """
-    out_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return F.scaled_dot_product_attention(q.to(out_dtype), k.to(out_dtype), v.to(out_dtype),
-                                          attn_mask=mask_info.dense(), scale=scale)
-
-
-@torch.no_grad()
-def masked_logit_max(q: torch.Tensor, k: torch.Tensor, mask_info: MaskInfo, scale: float) -> torch.Tensor:
-    """Max pre-softmax logit per head over the allowed (query, key) pairs: ``[H]`` (fp32; fp64 for fp64 inputs).
-
-    A separate matmul (the dense reference's; the blockwise path returns it from its forward pass).
-    """
-    dt = torch.float64 if q.dtype == torch.float64 else torch.float32
-    logits = torch.einsum("bhqd,bhkd->bhqk", q.to(dt), k.to(dt)) * scale
-    logits = logits.masked_fill(~mask_info.dense(), float("-inf"))
-    return logits.amax(dim=(0, 2, 3))
 
 
 class MLA(nn.Module):
@@ -91,7 +49,7 @@ class MLA(nn.Module):
 
     ``attention_op``: None (the blockwise path, ``model.mla_block_size``), or an op with :func:`attention_core`'s
     signature on the expanded K/V -- :func:`attention_core` itself (the dense reference) or a flash kernel that
-    k3train/ops/dispatch.py sets per layer.
+    k3train/model/kernels.py sets per layer.
     """
 
     attention_op: Callable[..., torch.Tensor] | None = None

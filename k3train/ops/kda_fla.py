@@ -1,7 +1,7 @@
 """KDA through flash-linear-attention's Triton kernel (``fla.ops.kda.chunk_kda``), with k3train's op signature.
 
 :func:`fla_chunk_kda` takes exactly what :func:`k3train.ops.kda.chunk_kda` takes and returns the same
-``(o, final_state)``, so ``KDALayer.kda_op`` can be either (k3train/ops/dispatch.py picks; CUDA only)::
+``(o, final_state)``, so ``KDALayer.kda_op`` can be either (k3train/model/kernels.py picks; CUDA only)::
 
     q, k, g [B,T,H,K]   v [B,T,H,V]   beta [B,T,H]   initial_state [N,H,K,V]   o [B,T,H,V] (q's dtype)
     S_t = (I - b_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + b_t k_t v_t^T,   o_t = scale * S_t^T q_t
@@ -50,6 +50,7 @@ def fla_chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, s
     del chunk_size
     if q.device.type != "cuda":
         raise RuntimeError(f"fla_chunk_kda: fla's kernel needs CUDA tensors, got {q.device}")
+    # lazy: flash-linear-attention is optional (CUDA + triton)
     from fla.ops.kda import chunk_kda  # CUDA only; imported on first call so CPU machines never import triton
 
     safe = fla_safe_gate(g_lower_bound)

@@ -3,7 +3,7 @@
 Same contract as the dense reference :func:`k3train.model.mla.attention_core` (``q [B, H, Tq, Dqk]``,
 ``k [B, H, Tk, Dqk]``, ``v [B, H, Tk, Dv]``, :class:`~k3train.model.mla.MaskInfo` -> ``[B, H, Tq, Dv]`` fp32;
 K3: Dqk = 128 + 64 = 192, Dv = 128), so it can be ``MLA.attention_op``
-(k3train/ops/dispatch.py picks).
+(k3train/model/kernels.py picks).
 
 The mask is ``key_pos <= query_pos and key_doc == query_doc`` from the batch's document ids and positions -- the
 same predicate as ``MaskInfo.dense`` -- evaluated per 128 x 128 block by ``create_block_mask``, so fully masked
@@ -24,24 +24,21 @@ from typing import Any, Callable
 
 import torch
 from torch import Tensor
+from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
+
+from k3train.ops.mla_dense import masked_logit_max
 
 __all__ = ["document_block_mask", "flex_attention_core", "flex_attention_with_max"]
 
 _COMPILED: dict[str, Callable[..., Any]] = {}
 
 
-def _flex() -> Callable[..., Any]:
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return flex_attention
-
-
 def _kernel(device: torch.device) -> Callable[..., Any]:
     """The compiled FlexAttention on CUDA (built once per process), the eager one elsewhere."""
     if device.type != "cuda":
-        return _flex()
+        return flex_attention
     if "cuda" not in _COMPILED:
-        _COMPILED["cuda"] = torch.compile(_flex(), dynamic=False)
+        _COMPILED["cuda"] = torch.compile(flex_attention, dynamic=False)
     return _COMPILED["cuda"]
 
 
@@ -58,8 +55,6 @@ def kernel_options(dtype: torch.dtype, qk_dim: int) -> dict[str, Any] | None:
 def document_block_mask(mask_info: Any, block_size: int = 128) -> Any:
     """``BlockMask`` of the causal + same-document predicate for ``mask_info`` (``q_doc``/``q_pos`` ``[B, Tq]``,
     ``k_doc``/``k_pos`` ``[B, Tk]``), shared by all heads."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
     q_doc, q_pos, k_doc, k_pos = mask_info.q_doc, mask_info.q_pos, mask_info.k_doc, mask_info.k_pos
     B, Tq = q_doc.shape
     Tk = k_doc.shape[1]
@@ -86,12 +81,8 @@ def _run(q: Tensor, k: Tensor, v: Tensor, mask_info: Any, scale: float, want_max
         if opts:
             fn = functools.partial(fn, kernel_options=opts)
     if want_max and q.device.type != "cuda":  # FlexAttention returns max scores only from its CUDA kernel
-        from k3train.model.mla import masked_logit_max
-
         return fn(q, k, v, block_mask=bm, scale=scale).float(), masked_logit_max(q, k, mask_info, scale)
     if want_max:
-        from torch.nn.attention.flex_attention import AuxRequest
-
         o, aux = fn(q, k, v, block_mask=bm, scale=scale, return_aux=AuxRequest(max_scores=True))
         # max_scores [B, H, Tq]: the row max of the scaled, masked logits (natural-log units); every query sees
         # itself, so no row is -inf

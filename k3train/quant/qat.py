@@ -27,7 +27,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from k3train.quant.mx import fake_quant
+from k3train.quant.mx import BLOCK, dequantize, fake_quant, pack_e2m1, quantize, unpack_e2m1
 
 QAT_WEIGHT_FORMATS = ("none", "mxfp4")
 QAT_INPUT_FORMATS = ("none", "mxfp8")
@@ -99,8 +99,6 @@ def expert_weight_to_mxfp4(w: torch.Tensor, like: tuple[torch.Tensor, torch.Tens
     still exactly what those bytes decode to keeps those bytes -- scale and codes -- so an unchanged weight is
     written back bit for bit even where its source chose another (valid) scale than the OCP rule would; changed
     blocks are quantized afresh (the OCP rule, :func:`k3train.quant.mx.quantize`)."""
-    from k3train.quant.mx import BLOCK, pack_e2m1, quantize, unpack_e2m1
-
     wt = w.detach().transpose(-1, -2)
     codes, scales = quantize(wt, "mxfp4")
     if like is not None:
@@ -117,21 +115,19 @@ def expert_weight_from_mxfp4(packed: torch.Tensor, scales: torch.Tensor,
                              dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse of :func:`expert_weight_to_mxfp4`: ``[E, out, in/2]`` + ``[E, out, in/32]`` -> ``w[E, in, out]`` in
     ``dtype`` (contiguous); equal bit for bit to ``fake_quant_along(w, "mxfp4", -2)`` of the exported weight."""
-    from k3train.quant.mx import dequantize, unpack_e2m1
-
     return dequantize(unpack_e2m1(packed), scales, "mxfp4", dtype).transpose(-1, -2).contiguous()
 
 
 def apply_qat(modules: Iterable[nn.Module], weights: str = "none", inputs: str = "none") -> int:
-    """Set ``ExpertQuant(weights, inputs)`` on every routed-expert module (``GroupedExperts``) in ``modules``
-    (a model, or a pipeline rank's model chunks; before or after expert parallelism). Returns how many it set."""
-    from k3train.model.moe import GroupedExperts  # the model imports this module
-
+    """Set ``ExpertQuant(weights, inputs)`` on every routed-expert module in ``modules`` (a model, or a pipeline
+    rank's model chunks; before or after expert parallelism): the modules that carry an :class:`ExpertQuant` as
+    ``quant`` (``k3train.model.moe.GroupedExperts``, which the model layer defines above this one). Returns how
+    many it set."""
     quant = ExpertQuant(weights, inputs)
     n = 0
     for mod in modules:
         for m in mod.modules():
-            if isinstance(m, GroupedExperts):
+            if isinstance(getattr(m, "quant", None), ExpertQuant):
                 m.quant = quant
                 n += 1
     return n

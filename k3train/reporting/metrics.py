@@ -6,10 +6,11 @@ tokens_per_s, step_time_s, mfu, mem_gib`` plus whatever the parallel runtimes ad
 from __future__ import annotations
 
 import json
-import math
 import logging
+import math
 import os
 import resource
+import secrets
 import socket
 import sys
 import time
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from k3train.runtime.cache_dir import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +45,6 @@ def measure_peak_flops(device: torch.device, seconds: float = 0.3, n: int = 1024
 
 def peak_flops_cache_path(device: torch.device) -> Path:
     """``<cache_dir>/peak_flops-<host>.json`` (:func:`k3train.runtime.cache_dir.cache_dir`): one file per machine."""
-    from k3train.runtime.cache_dir import cache_dir
-
     return cache_dir() / f"peak_flops-{socket.gethostname()}.json"
 
 
@@ -111,7 +112,6 @@ def wandb_run_id(out_dir: Path, resumed: bool) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     if resumed and path.is_file() and path.read_text().strip():
         return path.read_text().strip()
-    import secrets  # noqa: PLC0415
 
     rid = secrets.token_hex(4)  # wandb ids: 8 lowercase letters/digits, like wandb's own
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
@@ -140,6 +140,7 @@ class MetricsLogger:
         if wandb_cfg is not None and wandb_cfg.wandb:
             mode = os.environ.get("WANDB_MODE", wandb_cfg.wandb_mode)
             if mode != "disabled":
+                # lazy: wandb takes a second to import; only when wandb logging is on
                 import wandb  # imported lazily: it is slow to import and optional at run time
 
                 self.wandb = wandb.init(project=wandb_cfg.wandb_project, mode=mode, dir=str(out_dir),

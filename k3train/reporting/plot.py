@@ -16,7 +16,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-EXIT_BAD_INPUT = 2
+import yaml
+
+from k3train.runtime.bad_input import OneLineParser, report_bad_input
 
 # (metrics.jsonl key, panel title)
 PANELS = (("loss", "loss (markers: val_loss)"), ("lr", "learning rate"), ("grad_norm", "grad norm"),
@@ -47,8 +49,6 @@ def read_run(run_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     cfg: dict[str, Any] = {}
     cfg_path = run_dir / "config.yaml"
     if cfg_path.is_file():
-        import yaml  # noqa: PLC0415
-
         try:
             cfg = yaml.safe_load(cfg_path.read_text()) or {}
         except yaml.YAMLError:
@@ -80,11 +80,11 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[fl
 def plot_runs(run_dirs: list[Path], out: Path, title: str = "") -> Path:
     """Draw every run of ``run_dirs`` into one PNG at ``out``; returns ``out``."""
     runs = [(d, *read_run(d)) for d in run_dirs]
-    import matplotlib  # noqa: PLC0415 - slow to import; only here
+    import matplotlib  # noqa: PLC0415 - lazy: matplotlib is slow to import and only drawing needs it
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-    from matplotlib.ticker import MaxNLocator  # noqa: PLC0415
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - lazy: matplotlib, as above
+    from matplotlib.ticker import MaxNLocator  # noqa: PLC0415 - lazy: matplotlib, as above
 
     fig, axes = plt.subplots(2, 4, figsize=(18, 8), constrained_layout=True)
     flat = list(axes.flat)
@@ -119,14 +119,8 @@ def plot_runs(run_dirs: list[Path], out: Path, title: str = "") -> Path:
     return out
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # type: ignore[override] - one line, like every other bad input
-        print(f"k3train: error: k3train plot: {message}", file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = _Parser(prog="k3train plot", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineParser(prog="k3train plot", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (train.out_dir) to overlay")
     ap.add_argument("-o", "--output", required=True, metavar="FILE.png", help="the PNG to write")
     ap.add_argument("--title", default="", help="figure title (default: the run directories)")
@@ -134,8 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = plot_runs([Path(r) for r in a.runs], Path(a.output), a.title)
     except PlotError as e:
-        print(f"k3train: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return report_bad_input(e)
     print(f"k3train: wrote {out} ({len(a.runs)} run(s))")
     return 0
 

@@ -21,7 +21,9 @@ Fault injection (tests, debugging), read from the environment at start-up::
     K3TRAIN_INJECT_NAN="step=2,module=lm_head,where=grad"       # the gradient of its output, every rank
 
 ``step`` is the 1-based optimizer step, ``rank`` the global rank (default: every rank holding the module),
-``module`` an FQN of the model, ``where`` ``output`` (default) or ``grad``.
+``module`` an FQN of the model, ``where`` ``output`` (default) or ``grad``. A malformed value, a module the model
+does not have or a rank outside the world is bad input, found before the run starts (k3train/preflight.py:
+check_injection).
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from k3train.config import ConfigError
+from k3train.runtime.bad_input import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -94,23 +96,6 @@ def injection_from_env(env: dict[str, str] | None = None) -> InjectSpec | None:
     if step < 1 or (rank is not None and rank < 0):
         raise ConfigError(err)
     return InjectSpec(step=step, onward=onward, module=kv["module"], rank=rank, where=kv.get("where", "output"))
-
-
-def check_injection(cfg: Any) -> None:
-    """Preflight of ``K3TRAIN_INJECT_NAN``: well-formed, ``module`` a module of the model (from a meta-device
-    build, no memory) and ``rank`` inside the world. Raises :class:`ConfigError` (one line)."""
-    spec = injection_from_env()
-    if spec is None:
-        return
-    from k3train.model.model import K3Model
-
-    with torch.device("meta"):
-        names = {n for n, _ in K3Model(cfg.model, cfg.vision).named_modules() if n}
-    if spec.module not in names:
-        raise ConfigError(f"{INJECT_ENV}: the model has no module {spec.module!r} (e.g. layers.0.attn, lm_head)")
-    world = cfg.parallel.pp * cfg.parallel.dp * cfg.parallel.cp
-    if spec.rank is not None and cfg.parallel.dp > 0 and spec.rank >= world:
-        raise ConfigError(f"{INJECT_ENV}: rank={spec.rank} but the run has {world} ranks")
 
 
 def _nan_like(x: Any) -> Any:

@@ -43,24 +43,8 @@ import torch
 
 from k3train.model.attnres import canonical_layout
 from parallel.pipeline.partition import PipelinePartition
-from parallel.pipeline.placement import Placement
 
 MODES = ("cached", "full")
-
-
-def cut_weight(b: int, end: int, placement: Placement, block_size: int, residual: str = "attnres",
-               mode: str = "cached") -> int:
-    """What boundary ``b`` placed after layer ``end`` adds to the number of tensors crossing ALL boundaries (one
-    direction; gradients mirror it), so that a partitioner can minimise the traffic cut by cut.
-
-    A boundary's own payload (the partial sum if ``end`` is inside a block, plus blocks ``known(b+1) ..
-    blocks(end)-1``) depends on the cut ``pp`` stages earlier, but summed over all boundaries the cached
-    ``known`` terms telescope: the total is ``sum_b partial(e_b) + sum_{b >= n - pp} blocks(e_b)`` (every
-    block reaches every rank once), and ``full`` resends ``blocks(e_b)`` at every boundary. tests/parallel checks
-    the sum against :meth:`AttnResCommPlan.payload`."""
-    blocks, partial = canonical_layout(end, block_size, residual)
-    counted = mode == "full" or b >= placement.num_stages - placement.pp
-    return int(partial) + (blocks if counted else 0)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from k3train.config import ConfigError
+from k3train.model.attnres import canonical_layout
 from k3train.model.flops import kda_gate_params, moe_latent_params
 from parallel.pipeline.placement import Placement
 
@@ -147,7 +148,7 @@ def auto_layers_per_stage(costs: list[float], n_stages: int, first_extra: float,
     stage (stage 0 also pays ``first_extra``, the last ``last_extra``). Exact dynamic programme, O(n L^2).
 
     ``cut_weight(b, end)`` with ``placement``: tie-break (e.g. the AttnRes tensors boundary ``b`` sends when it sits
-    after layer ``end``, :func:`parallel.pipeline.attnres_comm.cut_weight`, which prefers block boundaries).
+    after layer ``end``, :func:`cut_weight`, which prefers block boundaries).
     Runs of cuts of the optimal split shift to positions of lower weight while the bottleneck stays the
     same (same tolerance) and no rank's load (the sum of its stages' costs) exceeds the heaviest rank's load
     before: equal cost, less traffic. A tie-break by weight alone would trade traffic for near-empty stages
@@ -261,6 +262,21 @@ def _min_bottleneck_split(costs: list[float], n_stages: int, first_extra: float,
     return sizes[::-1]
 
 
+def cut_weight(b: int, end: int, placement: Placement, block_size: int, residual: str = "attnres",
+               mode: str = "cached") -> int:
+    """What boundary ``b`` placed after layer ``end`` adds to the number of tensors crossing ALL boundaries (one
+    direction; gradients mirror it), so that a partitioner can minimise the traffic cut by cut.
+
+    A boundary's own payload (the partial sum if ``end`` is inside a block, plus blocks ``known(b+1) ..
+    blocks(end)-1``) depends on the cut ``pp`` stages earlier, but summed over all boundaries the cached
+    ``known`` terms telescope: the total is ``sum_b partial(e_b) + sum_{b >= n - pp} blocks(e_b)`` (every
+    block reaches every rank once), and ``full`` resends ``blocks(e_b)`` at every boundary. tests/parallel checks
+    the sum against :meth:`AttnResCommPlan.payload`."""
+    blocks, partial = canonical_layout(end, block_size, residual)
+    counted = mode == "full" or b >= placement.num_stages - placement.pp
+    return int(partial) + (blocks if counted else 0)
+
+
 def build_partition(mcfg: Any, pcfg: Any, seq_len: int = 4096) -> PipelinePartition:
     """The partition for ``ModelConfig`` ``mcfg`` and ``ParallelConfig`` ``pcfg`` (explicit ``pp_layers`` if set,
     otherwise :func:`auto_layers_per_stage` under the cost model at ``seq_len`` tokens per sequence).
@@ -290,7 +306,6 @@ def build_partition(mcfg: Any, pcfg: Any, seq_len: int = 4096) -> PipelinePartit
         if L < n:
             raise ConfigError(f"parallel.vpp: {L} layers cannot fill pp*vpp = {pp}*{vpp} = {n} virtual stages "
                               "(every virtual stage needs at least one layer)")
-        from parallel.pipeline.attnres_comm import cut_weight  # (attnres_comm imports this module)
 
         residual, mode = getattr(mcfg, "residual", "attnres"), getattr(pcfg, "attnres_comm", "cached")
         placement = Placement.of(pp, vpp)

@@ -56,6 +56,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from k3train.model.attnres import AttnResState
+from k3train.model.flops import vision_flops
+from k3train.model.model import K3Model
+from k3train.model.seq import SeqInfo
+from k3train.runtime.fault_injection import raise_point
 from parallel.comm_stats import ByteCounter
 from parallel.pairing import PairExecutor
 from parallel.pipeline.attnres_comm import AttnResCommPlan, BlockCache, StageInput
@@ -63,10 +68,24 @@ from parallel.pipeline.loss_norm import LossNorm
 from parallel.pipeline.p2p import Instr, P2PTransport, build_programs
 from parallel.pipeline.p2p_programs import insert_encoder_computes, pair_programs
 from parallel.pipeline.partition import PipelinePartition, build_partition, describe_partition
-from parallel.pipeline.schedules import (Action, Message, build_schedule, forward_only_schedule, place_encoder,
-                                         resolve_schedule, simulate, theoretical_bubble)
-from parallel.pipeline.stage import (build_stage_model, chunk_param_groups, recompute_chunk, recompute_unit,
-                                     run_maybe_recomputed, shares_embedding)
+from parallel.pipeline.schedules import (
+    Action,
+    Message,
+    build_schedule,
+    forward_only_schedule,
+    place_encoder,
+    resolve_schedule,
+    simulate,
+    theoretical_bubble,
+)
+from parallel.pipeline.stage import (
+    build_stage_model,
+    chunk_param_groups,
+    recompute_chunk,
+    recompute_unit,
+    run_maybe_recomputed,
+    shares_embedding,
+)
 
 log = logging.getLogger(__name__)
 
@@ -75,14 +94,10 @@ STAT_KEYS = ("lm_loss_sum", "mtp_loss_sum", "lm_tokens", "mtp_tokens")
 
 def default_make_seq(batch: Any) -> Any:
     """``SeqInfo.from_doc_ids(batch.doc_ids, batch.positions)`` (no context parallelism)."""
-    from k3train.model.seq import SeqInfo
-
     return SeqInfo.from_doc_ids(batch.doc_ids, batch.positions)
 
 
 def _default_state_cls() -> type:
-    from k3train.model.attnres import AttnResState
-
     return AttnResState
 
 
@@ -221,8 +236,6 @@ class LocalRunner(StepRunner):
 
     def _paired(self, micro_batches: list[Any], norm: LossNorm, stats: dict[str, Any]) -> None:
         """F(0); F(m+1) on the pair worker (side 1) while B(m) runs here (side 0); B(M-1) (see :attr:`pair`)."""
-        from k3train.runtime.fault_injection import raise_point
-
         def forward(mb: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
             raise_point("pair_forward", mb)
             return self._forward_micro_batch(micro_batches[mb], norm)
@@ -330,8 +343,6 @@ class PipelineRunner(StepRunner):
         tower's (:func:`k3train.model.flops.vision_flops` of its media; ``/ cp`` when ``batch.vision_cp`` shares
         the encoding over the CP group). Backward = 2 x forward (3 x under ``parallel.recompute``). Only shapes
         enter, so the first stage's CP ranks (same media, same slice length) agree on the placement."""
-        from k3train.model.flops import vision_flops
-
         vcfg, d = self.model.vision_cfg, self.cfg.model.hidden_size
         k = 3.0 if self.recompute else 2.0
         tokens = float(micro_batches[0].tokens.numel())
@@ -487,8 +498,6 @@ class PipelineRunner(StepRunner):
         computed, while ``y`` may still run -- so the stage that waits for ``x``'s output does not wait for
         ``y`` too. They are the only posts during the pair (``y``'s come after it, from this thread), so this
         rank's sequence of p2p posts is the program's, whichever side ends first (P2PTransport is locked)."""
-        from k3train.runtime.fault_injection import raise_point
-
         if any(ins.op == "compute" for ins in x_posts):
             raise RuntimeError(f"run_pair: x's trailing posts hold a compute: {x_posts}")
 
@@ -656,8 +665,6 @@ def build_step_runner(model: nn.Module | Callable[[], nn.Module] | None, cfg: An
     if dims.rank == 0:
         log.info("%s", describe_partition(part))
     if model is None:
-        from k3train.model.model import K3Model
-
         def model() -> nn.Module:  # noqa: F811 - the default factory
             return K3Model(cfg.model, getattr(cfg, "vision", None))
     if device is None:

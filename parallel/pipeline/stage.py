@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from parallel.pipeline.partition import PipelinePartition
 
@@ -124,7 +125,6 @@ def run_maybe_recomputed(fn: Callable[[], Any], recompute: bool) -> Any:
     tests/parallel/test_pipeline_inprocess.py against a single forward pass)."""
     if not recompute or not torch.is_grad_enabled():
         return fn()
-    from torch.utils.checkpoint import checkpoint
 
     return checkpoint(fn, use_reentrant=False)
 

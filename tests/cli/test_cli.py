@@ -74,3 +74,53 @@ def test_meta_tools_read_no_tokenizer():
     assert cfg.model.eos_token_id == 163586
     with pytest.raises(ConfigError, match=r"model.bos_token_id=163584 but data.tokenizer .* id 0"):
         check_token_ids(cfg, load_config_tokenizer(cfg))
+
+
+@pytest.mark.parametrize("argv, key", [
+    (["train", "--config", "configs/tiny.yaml", "--train.steps=0"], "train.steps"),
+    (["check", "--config", "configs/tiny.yaml", "--train.kda_kernel=fast"], "train.kda_kernel"),
+    (["train", "--config", "configs/tiny.yaml", "--model.num_experts_per_token=0"], "model.num_experts_per_token"),
+])
+def test_bad_config_is_reported_before_torch_loads(argv, key):
+    """The CLI finds a bad config with the config package alone: torch (seconds to import) is never loaded."""
+    code = ("import sys; from k3train.cli import main; rc = main(sys.argv[1:]); "
+            "print('torch loaded' if 'torch' in sys.modules else 'no torch'); sys.exit(rc)")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), WANDB_MODE="disabled")
+    res = subprocess.run([sys.executable, "-c", code, *argv], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.startswith(f"k3train: error: {key}:") and res.stderr.count("\n") == 1, res.stderr
+    assert res.stdout.strip() == "no torch"
+
+
+def test_one_bad_input_line_for_every_entry_point(capsys, tmp_path, monkeypatch):
+    """k3train/runtime/bad_input.py: the one parser and printer (one line, exit 2) and the bad-input types."""
+    from k3train.data.corpus import DataError
+    from k3train.reporting.plot import main as plot_main
+    from k3train.runtime.bad_input import EXIT_BAD_INPUT, ConfigError, OneLineParser, is_bad_input, \
+        report_bad_input
+    from k3train.train import main as train_main
+    from parallel.dims import ParallelConfigError
+
+    assert report_bad_input("a\n  multi-line   message") == EXIT_BAD_INPUT == 2
+    assert capsys.readouterr().err == "k3train: error: a multi-line message\n"
+    ap = OneLineParser(prog="k3train demo")
+    ap.add_argument("--n", type=int)
+    with pytest.raises(SystemExit) as e:
+        ap.parse_args(["--n", "x"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == "k3train: error: k3train demo: argument --n: invalid int value: 'x'\n"
+    with pytest.raises(SystemExit) as e:  # python -m k3train.train: the bare message, as always
+        train_main(["--world-size", "x"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == "k3train: error: argument --world-size: invalid int value: 'x'\n"
+    assert plot_main([str(tmp_path), "-o", str(tmp_path / "p.png")]) == 2  # no metrics.jsonl there
+    assert capsys.readouterr().err == f"k3train: error: {tmp_path}: no metrics.jsonl (is it a run directory, " \
+                                      "train.out_dir of a run?)\n"
+    for bad in (ConfigError("x"), DataError("x"), ParallelConfigError("x")):
+        assert is_bad_input(bad)
+    assert not is_bad_input(ValueError("x")) and not is_bad_input(KeyboardInterrupt())
+    monkeypatch.setenv("RANK", "1")  # a rank of a run: only global rank 0 prints; a launcher always does
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert report_bad_input("seen once", rank_of_run=True) == 2 and capsys.readouterr().err == ""
+    assert report_bad_input("launcher") == 2 and capsys.readouterr().err == "k3train: error: launcher\n"

@@ -181,7 +181,7 @@ def mla_compare(dtype: torch.dtype, T: int = 1024, H: int = 8, seed: int = 0, bl
                 device: str = "cuda") -> dict[str, Any]:
     """Flex (and, when present, k3train's blockwise op) vs the dense reference in fp32 on the same inputs:
     output, per-head max logit, gradients of q, the latent and the expansion weight."""
-    from k3train.model.mla import MaskInfo, attention_core, masked_logit_max
+    from k3train.ops.mla_dense import MaskInfo, attention_core, masked_logit_max
     from k3train.ops.mla_flex import flex_attention_with_max
 
     case = mla_case(T, H, dtype, seed=seed, device=device)
@@ -229,7 +229,7 @@ def mla_compare(dtype: torch.dtype, T: int = 1024, H: int = 8, seed: int = 0, bl
 
 def mla_speed(T: int, H: int = 16, reps: int = 3) -> dict[str, Any]:
     """Forward + backward ms of flex vs dense attention on bf16 inputs (expanded K/V), one row of 2 documents."""
-    from k3train.model.mla import MaskInfo, attention_core
+    from k3train.ops.mla_dense import MaskInfo, attention_core
     from k3train.ops.mla_flex import document_block_mask, flex_attention_core
 
     case = mla_case(T, H, torch.bfloat16, B=1)

@@ -240,7 +240,7 @@ def test_tiny_model_learns():
 
 
 def test_chunked_lm_head_ce_equals_direct():
-    from k3train.model.model import lm_head_ce_sum, masked_ce_sum
+    from k3train.model.loss import lm_head_ce_sum, masked_ce_sum
     torch.manual_seed(0)
     head = torch.nn.Linear(16, 50, bias=False).double()
     h = torch.randn(3, 7, 16, dtype=torch.float64, requires_grad=True)

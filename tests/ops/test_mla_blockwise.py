@@ -11,7 +11,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from k3train.config import ConfigError, load_config
 from k3train.config.presets import tiny_model_config as tiny_cfg
-from k3train.model.mla import MLA, MaskInfo, attention_core, masked_logit_max
+from k3train.model.mla import MLA
+from k3train.ops.mla_dense import MaskInfo, attention_core, masked_logit_max
 from k3train.model.seq import SeqInfo
 from k3train.ops.mla_blockwise import _work, block_plan, blockwise_mla_attention, skipped_share
 from k3train.planning.known_data import KnownData

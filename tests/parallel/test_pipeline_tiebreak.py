@@ -6,7 +6,8 @@ import random
 import pytest
 
 from k3train.config import load_config
-from parallel.pipeline.attnres_comm import AttnResCommPlan, cut_weight
+from parallel.pipeline.attnres_comm import AttnResCommPlan
+from parallel.pipeline.partition import cut_weight
 from parallel.pipeline.partition import (auto_layers_per_stage, build_partition, embed_cost, head_cost,
                                          layer_cost)
 from parallel.pipeline.placement import Placement

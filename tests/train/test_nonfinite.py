@@ -17,8 +17,9 @@ import torch
 
 from k3train.config import ConfigError, load_config
 from k3train.data.batch import Batch
-from k3train.runtime.nonfinite import (EXIT_TRAINING_STOPPED, INJECT_ENV, NonFiniteGuard, TrainingStopped, check_injection,
-                               injection_from_env, step_is_finite)
+from k3train.preflight import check_injection
+from k3train.runtime.nonfinite import (EXIT_TRAINING_STOPPED, INJECT_ENV, NonFiniteGuard, TrainingStopped,
+                                       injection_from_env, step_is_finite)
 from parallel.dims import single_process_dims
 from parallel.pipeline.loss_norm import LossNorm
 from parallel.pipeline.runner import build_step_runner

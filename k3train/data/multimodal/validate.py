@@ -21,8 +21,16 @@ from typing import Any
 
 import numpy as np
 
+from k3train.config import SPLIT_NAMES
 from k3train.data.corpus import DataError
-from k3train.data.dataset import IndexInfo, bin_path, check_metadata, meta_path, validate_indexed_dataset
+from k3train.data.dataset import (
+    IndexInfo,
+    bin_path,
+    check_metadata,
+    meta_path,
+    split_document_ranges,
+    validate_indexed_dataset,
+)
 from k3train.data.multimodal.media_store import DOC, FRAMES, HEIGHT, TOKEN, WIDTH, load_media_index, media_index_path
 from k3train.model.media import merged_tokens
 
@@ -144,9 +152,6 @@ def validate_multimodal_dataset(prefix: str | Path, tok: Any, max_media_pixels: 
 def check_multimodal_data(cfg: Any, tok: Any, splits: list[str]) -> None:
     """Preflight for ``data.format: multimodal``: the dataset checks above with the run's limits, and every split
     the run reads holding at least one document. Messages name ``data.path`` (or the key at fault)."""
-    from k3train.config import SPLIT_NAMES
-    from k3train.data.dataset import split_document_ranges
-
     patch, merge = vision_geometry(cfg)
     try:
         mm = validate_multimodal_dataset(cfg.data.path, tok, int(cfg.data.max_media_pixels), patch, merge,

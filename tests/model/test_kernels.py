@@ -1,4 +1,4 @@
-"""Kernel selection per op (k3train/ops/dispatch.py): which backend for which device, dtype, installation and
+"""Kernel selection per op (k3train/model/kernels.py): which backend for which device, dtype, installation and
 setting -- pure logic, tested on CPU with explicit ``Installed`` / ``Target`` values; plus the config validator's
 one-line errors, the start-up application to a built model, the FlexAttention MLA op's forward on CPU and the
 published GPU peaks."""
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from k3train.config import ConfigError, load_config
-from k3train.ops.dispatch import (Installed, KernelChoice, KernelSettingError, Target, apply_kernels, choose_kernels,
+from k3train.model.kernels import (Installed, KernelChoice, KernelSettingError, Target, apply_kernels, choose_kernels,
                                   describe_kernels, kernel_settings, target_for)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -118,7 +118,8 @@ def test_apply_kernels_points_the_built_layers_at_the_choice():
 
     cfg = load_config(TINY)
     model = K3Model(cfg.model)
-    from k3train.model.mla import MLA, attention_core
+    from k3train.model.mla import MLA
+    from k3train.ops.mla_dense import attention_core
     from k3train.ops.mla_flex import flex_attention_core
 
     choices = {"kda": KernelChoice("kda", "fla", "fla"), "mla": KernelChoice("mla", "dense", "dense"),
@@ -154,7 +155,7 @@ def test_probe_finds_what_this_machine_has_without_importing_triton():
 def test_flex_mla_forward_matches_the_dense_reference_on_cpu():
     """FlexAttention's unfused CPU path (forward only): the document + causal BlockMask and the per-head max logit
     equal the dense reference's (the CUDA kernel and gradients: tests/gpu/test_mla_flex.py)."""
-    from k3train.model.mla import MaskInfo, attention_core, masked_logit_max
+    from k3train.ops.mla_dense import MaskInfo, attention_core, masked_logit_max
     from k3train.ops.mla_flex import flex_attention_with_max
 
     g = torch.Generator().manual_seed(0)

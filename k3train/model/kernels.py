@@ -28,24 +28,20 @@ from __future__ import annotations
 import functools
 import importlib.util
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable
 
-if TYPE_CHECKING:
-    import torch
-    from torch import nn
-# torch is imported inside the functions that need it: the config validator checks the settings' names without it
-# (a config error is reported before torch loads, k3train/train.py); the machine checks probe for forced backends
+import torch
+from torch import nn
+
+from k3train.config.kernels import BACKENDS, OPS, check_kernel_names, kernel_settings
+from k3train.model.kda import KDALayer
+from k3train.model.mla import MLA
+from k3train.ops.mla_dense import attention_core
 
 __all__ = ["OPS", "BACKENDS", "Installed", "Target", "KernelChoice", "KernelSettingError", "choose_kernels",
            "kernel_settings", "target_for", "check_kernel_names", "check_kernel_settings", "apply_kernels",
            "describe_kernels"]
 
-OPS = ("kda", "mla", "experts")
-BACKENDS: dict[str, tuple[str, ...]] = {
-    "kda": ("auto", "torch", "fla"),
-    "mla": ("auto", "dense", "blockwise", "flex"),
-    "experts": ("auto", "grouped_mm", "padded_bmm", "loop"),
-}
 FLA_MAX_HEAD_DIM = 256  # fla's chunk_kda asserts K <= 256
 
 
@@ -78,9 +74,7 @@ class Installed:
             except (ImportError, ValueError):  # a parent package missing, or a broken ``__spec__``
                 return False
 
-        import torch
 
-        from k3train.model.mla import MLA
 
         return cls(fla=has("fla"), triton=has("triton"), grouped_mm=hasattr(torch, "_grouped_mm"),
                    flex_attention=has("torch.nn.attention.flex_attention"),
@@ -126,16 +120,9 @@ _LABELS = {
 }
 
 
-def kernel_settings(train_cfg: Any) -> dict[str, str]:
-    """``{op: setting}`` from ``train.kda_kernel`` / ``train.mla_kernel`` / ``train.experts_kernel``."""
-    return {op: str(getattr(train_cfg, f"{op}_kernel", "auto")) for op in OPS}
-
-
 def target_for(cfg: Any, device: torch.device | str | None = None) -> Target:
     """The :class:`Target` of a run: ``device`` (the resolved one) or else ``train.device`` (``auto``: CUDA when
     available)."""
-    import torch
-
     if device is None:
         want = cfg.train.device
         device = "cuda" if want == "cuda" or (want == "auto" and torch.cuda.is_available()) else "cpu"
@@ -251,15 +238,6 @@ def choose_kernels(settings: dict[str, str], target: Target, installed: Installe
 _ALWAYS = {"auto", "torch", "dense", "padded_bmm", "loop"}
 
 
-def check_kernel_names(train_cfg: Any) -> tuple[str, str] | None:
-    """For the config validator (no torch, no probing): ``(key, message)`` of the first ``train.<op>_kernel``
-    that is not one of its op's backends, else None."""
-    for op, want in kernel_settings(train_cfg).items():
-        if want not in BACKENDS[op]:
-            return f"train.{op}_kernel", f"must be one of {', '.join(BACKENDS[op])}, got {want!r}"
-    return None
-
-
 def check_kernel_settings(cfg: Any) -> tuple[str, str] | None:
     """For the machine checks before training (k3train/preflight.py): ``(key, message)`` of the first forced
     backend that cannot run on this device with what is installed, else None. Tools that only trace the model
@@ -297,24 +275,22 @@ def apply_kernels(modules: Iterable[nn.Module], choices: dict[str, KernelChoice]
     * experts: ``impl`` of every MoE layer's dispatcher (the local one or the EP one); ``grouped_mm`` maps to
       ``'auto'`` so rows that break ``torch._grouped_mm``'s 16-byte alignment still fall back per call.
     * mla: ``MLA.attention_op``: None for ``blockwise`` (the layer's own
-      :func:`k3train.ops.mla_blockwise.blockwise_mla_attention`), :func:`k3train.model.mla.attention_core` for
+      :func:`k3train.ops.mla_blockwise.blockwise_mla_attention`), :func:`k3train.ops.mla_dense.attention_core` for
       ``dense``, :func:`k3train.ops.mla_flex.flex_attention_core` for ``flex``.
     """
-    from k3train.model.kda import KDALayer
-    from k3train.model.mla import MLA
-
     counts = {op: 0 for op in OPS}
     kda_op = None
     if choices["kda"].backend == "fla":
-        from k3train.ops.kda_fla import fla_chunk_kda
+        from k3train.ops.kda_fla import fla_chunk_kda  # lazy: imports fla, optional (CUDA + triton)
 
         bound = float(model_cfg.gate_lower_bound) if model_cfg.kda_decay_form == "lower_bounded" else None
         kda_op = functools.partial(fla_chunk_kda, g_lower_bound=bound)
     mla_backend = choices["mla"].backend
     if mla_backend == "flex":
+        # lazy: FlexAttention loads torch's compiler stack; only when chosen
         from k3train.ops.mla_flex import flex_attention_core as mla_op
     elif mla_backend == "dense":
-        from k3train.model.mla import attention_core as mla_op
+        mla_op = attention_core
     else:
         mla_op = None  # blockwise: the layer's default path
     impl = _EXPERTS_IMPL.get(choices["experts"].backend)
