@@ -100,7 +100,8 @@ from k3train.data.multimodal.vl_tokenizer import MEDIA_END, MEDIA_PAD  # noqa: E
 from k3train.data.tokenizer import load_config_tokenizer  # noqa: E402
 from k3train.model.media import MediaInputs  # noqa: E402
 from k3train.model.vit_tower import VisionTower  # noqa: E402
-from k3train.preflight import is_bad_input, validate_run  # noqa: E402
+from k3train.preflight import validate_run  # noqa: E402
+from k3train.runtime.bad_input import is_bad_input, report_bad_input  # noqa: E402
 from k3train.trainer import Trainer  # noqa: E402
 from parallel.pipeline.loss_norm import LossNorm  # noqa: E402
 
@@ -516,8 +517,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001
             if not (is_bad_input(e) or isinstance(e, ValueError)):
                 raise
-            print(f"k3train: error: {e}", file=sys.stderr)
-            return 2
+            return report_bad_input(e)
         if not args.json:
             counts, read, train_rows = head["corpus_counts"], head["rows_read"], head["train_rows_per_epoch"]
             broken = "" if args.break_vision == "none" else f"; VISION BROKEN: {args.break_vision}"

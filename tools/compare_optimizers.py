@@ -19,7 +19,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from k3train.preflight import is_bad_input, validate_run  # noqa: E402
+from k3train.preflight import validate_run  # noqa: E402
+from k3train.runtime.bad_input import is_bad_input, report_bad_input  # noqa: E402
 
 
 def overrides(name: str, args: argparse.Namespace, out: Path) -> list[str]:
@@ -59,8 +60,7 @@ def main() -> None:
         except Exception as e:
             if not is_bad_input(e):
                 raise
-            print(f"k3train: error: {e}", file=sys.stderr)
-            sys.exit(2)
+            sys.exit(report_bad_input(e))
     res = {name: run(name, args, out) for name in ("muon", "adamw")}
     marks = sorted({1, max(1, args.steps // 4), max(1, args.steps // 2), args.steps})
     print(f"\nloss by step ({args.config}, {args.steps} steps, identical global batches)")

@@ -57,6 +57,7 @@ from k3train.data.multimodal.vl_tokenizer import MEDIA_PAD, VL_TOKENIZER  # noqa
 from k3train.data.prepare import prepare, train_tokenizer  # noqa: E402
 from k3train.data.tokenizer import (BOS, DEFAULT_TOKENIZER, DEFAULT_VOCAB_SIZE, EOS, PAD,  # noqa: E402
                                     SpecialTokens, load_tokenizer, vocab_shortfall)
+from k3train.runtime.bad_input import report_bad_input  # noqa: E402
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -104,8 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             prepare_text_main(ap, a)
     except DataError as e:
-        print(f"k3train: error: {e}", file=sys.stderr)
-        return 2
+        return report_bad_input(e)
     return 0
 
 
