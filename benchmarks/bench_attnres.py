@@ -40,24 +40,27 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+import torch.profiler
+from torch.utils.checkpoint import checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from k3train.config import load_config  # noqa: E402
 from k3train.data.batch import Batch  # noqa: E402
+from k3train.model.attnres import AttnRes  # noqa: E402
+from k3train.model.attnres_fused import rms_norm  # noqa: E402
+from k3train.model.norm import RMSNorm  # noqa: E402
 from k3train.planning.fakerun.live_bytes import LiveBytes  # noqa: E402
+from k3train.runtime.local_workers import run_ranks  # noqa: E402
 from parallel.dims import ParallelDims  # noqa: E402
 from parallel.pipeline import LossNorm, build_step_runner  # noqa: E402
 from parallel.pipeline.partition import build_partition  # noqa: E402
@@ -187,9 +190,7 @@ def run_rank(rank: int, world: int, cfgs: list[Any], steps: int, warmup: int,
 
 def profile_ops(step: Any, k: int) -> dict[str, Any]:
     """One more step of config ``k`` under the torch profiler: ``{'step_s', 'ops': {op: (self CPU s, calls)}}``."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         t, _ = step(k)
     return {"step_s": t, "ops": {e.key: (e.self_cpu_time_total / 1e6, e.count) for e in prof.key_averages()}}
 
@@ -215,35 +216,13 @@ def op_overhead(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float, lis
     return exclusive, shared, sorted(parts.items(), key=lambda kv: -abs(kv[1]))[:4]
 
 
-def _worker(rank: int, world: int, port: int, cfgs: list[Any], steps: int, warmup: int, profile: bool,
-            q: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=1800))
-    try:
-        q.put(run_rank(rank, world, cfgs, steps, warmup, profile))
-    finally:
-        dist.destroy_process_group()
-
-
 def run_layout(cfgs: list[Any], world: int, steps: int, warmup: int,
                profile: bool = False) -> list[list[dict[str, Any]]]:
     """Per config: every rank's result (rank order)."""
     if world == 1:
         return [[r] for r in run_rank(0, 1, cfgs, steps, warmup, profile)]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, cfgs, steps, warmup, profile, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    per_rank = sorted((q.get(timeout=3600) for _ in range(world)), key=lambda rs: rs[0]["rank"])
-    for p in procs:
-        p.join()
-        if p.exitcode != 0:
-            raise RuntimeError(f"a rank exited with {p.exitcode}")
+    per_rank = run_ranks(run_rank, world, cfgs, steps, warmup, profile, timeout=3600,
+                         threads=max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     return [[rs[k] for rs in per_rank] for k in range(len(cfgs))]
 
 
@@ -252,12 +231,6 @@ def bench_aggregation(cfg: Any, reps: int = 20) -> None:
     fused function (``attn_res_recompute``, k3train/model/attnres_fused.py) against the autograd reference, plain
     and checkpointed (what ``attn_res_recompute`` ran before), and the standard residual's pre-norm that it
     replaces, medians of ``reps``, in one run."""
-    from torch.utils.checkpoint import checkpoint
-
-    from k3train.model.attnres import AttnRes
-    from k3train.model.attnres_fused import rms_norm
-    from k3train.model.norm import RMSNorm
-
     m = cfg.model
     B, T, d = cfg.train.micro_batch_size, cfg.train.seq_len, m.hidden_size
     torch.manual_seed(0)

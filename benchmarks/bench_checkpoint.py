@@ -28,18 +28,18 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch.distributed as dist
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from k3train.checkpoint import CheckpointManager  # noqa: E402
+from k3train.checkpoint.manager import verify  # noqa: E402
+from k3train.preflight import validate_run  # noqa: E402
+from k3train.trainer import Trainer  # noqa: E402
+
 
 def worker(args: argparse.Namespace) -> None:
-    import torch.distributed as dist
-
-    from k3train.checkpoint import CheckpointManager
-    from k3train.checkpoint.manager import verify
-    from k3train.preflight import validate_run
-    from k3train.trainer import Trainer
-
     out = Path(args.out)
     overrides = [f"--train.out_dir={out / 'run'}", "--checkpoint.resume=none", "--logging.wandb=false",
                  "--train.device=cpu", f"--train.seq_len={args.seq_len}", "--train.micro_batch_size=1",

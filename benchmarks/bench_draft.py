@@ -31,6 +31,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from k3train.preflight import validate_run  # noqa: E402
+from k3train.trainer import Trainer  # noqa: E402
+
 
 def run(args: list[str], out: Path) -> list[dict]:
     """One single-process run of the trainer; returns its metrics.jsonl records."""
@@ -48,9 +51,6 @@ def run(args: list[str], out: Path) -> list[dict]:
 
 def untrained(args: list[str], out: Path) -> dict:
     """The validation metrics of the draft at its initialisation (the trainer's own evaluator, before a step)."""
-    from k3train.preflight import validate_run
-    from k3train.trainer import Trainer
-
     cfg = validate_run(args[1], [*args[2:], "--train.eval_interval=1", f"--train.out_dir={out}",
                                  "--checkpoint.resume=none",
                                  "--logging.wandb=false", "--logging.peak_flops=1e9", "--logging.level=WARNING"])

@@ -43,9 +43,19 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests"))  # shipped_data: the tests' private views of the shipped corpus
+
+import moonep.dispatcher as d  # noqa: E402
+from k3train.config import load_config  # noqa: E402
+from k3train.optim import zero  # noqa: E402
+from k3train.runtime.local_workers import run_ranks  # noqa: E402
+from k3train.trainer import Trainer  # noqa: E402
+from parallel.pairing import current_side  # noqa: E402
+from shipped_data import shipped_view  # noqa: E402
 
 
 class _Timed:
@@ -69,10 +79,6 @@ def _instrument() -> dict[Any, float]:
     """Time the dispatcher's all-to-alls and counts all-gathers per pairing side (keys 0, 1), the optimizer's
     waits for its gradient reductions (``"grad"``) and its parameter broadcast (``"bcast"``); returns the live
     totals."""
-    import moonep.dispatcher as d
-    from k3train.optim import zero
-    from parallel.pairing import current_side
-
     totals: dict[int, float] = defaultdict(float)
     lock = threading.Lock()
 
@@ -112,11 +118,7 @@ def _instrument() -> dict[Any, float]:
     return totals
 
 
-def _body(rank: int, world: int, args: argparse.Namespace, _: dict) -> None:
-    from k3train.config import load_config
-    from k3train.trainer import Trainer
-    from shipped_data import shipped_view
-
+def _body(rank: int, world: int, args: argparse.Namespace) -> None:
     totals = _instrument()
     data = shipped_view("corpus_text_document")
     if data is None:
@@ -157,8 +159,6 @@ def _body(rank: int, world: int, args: argparse.Namespace, _: dict) -> None:
         tr.close(destroy_groups=False)
         rows[name] = (statistics.median(steps[name]), *(statistics.median(t.get(k, 0.0) for t in seen[name])
                                                         for k in (0, 1, "grad", "bcast")))
-    import torch.distributed as dist
-
     every = [None] * world
     dist.all_gather_object(every, rows)
     if rank == 0:
@@ -200,12 +200,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="k3train-bench-ep-overlap-") as tmp:
         os.environ.setdefault("K3TRAIN_TEST_DATA_VIEWS", str(Path(tmp) / "views"))
         args.out = tmp
-        from dist_helpers import run_distributed
-
         print(f"{args.config}: world {args.world}, pp {args.pp}, vpp {args.vpp}, ep {args.ep}, {args.micro_batches} "
               f"micro-batches per pipeline, moonep {args.moonep}, recompute {args.recompute}, zero {args.zero}; "
               f"{args.steps} steps after {args.warmup} warm-up; settings {', '.join(args.settings)}")
-        run_distributed(_body, args.world, args, {}, timeout=3000)
+        run_ranks(_body, args.world, args, timeout=3000, threads=args.threads,
+                  preload=("torch", "torch.distributed", "k3train.trainer"))
 
 
 if __name__ == "__main__":

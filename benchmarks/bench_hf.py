@@ -29,8 +29,20 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from k3train.config import load_config  # noqa: E402
+from k3train.hf.export import FP32_KEYS, write_hf_shards  # noqa: E402
+from k3train.hf.load import load_hf_weights  # noqa: E402
+from k3train.hf.names import PerExpert, PerExpertMXFP4, model_slots  # noqa: E402
+from k3train.parallelize import parallelize  # noqa: E402
+from k3train.runtime.process_groups import child_pythonpath, init_distributed, shutdown  # noqa: E402
+from parallel.dims import ParallelDims  # noqa: E402
+from parallel.pipeline.partition import build_partition  # noqa: E402
 
 K3_LAYOUT = ("--parallel.pp=16 --parallel.vpp=2 --parallel.dp=128 --parallel.ep=64 --parallel.moonep=true "
              "--parallel.zero=2 --train.seq_len=4096 --train.global_batch_size=4096 --train.micro_batch_size=1")
@@ -44,15 +56,6 @@ def _rss_now_gib() -> float:
 
 def rank_phase(a: argparse.Namespace) -> int:
     """One rank of the export or import phase (under torchrun): prints rank 0's JSON of every rank's stats."""
-    import torch.distributed as dist
-
-    from k3train.config import load_config
-    from k3train.runtime.process_groups import init_distributed, shutdown
-    from k3train.hf.export import write_hf_shards
-    from k3train.hf.load import load_hf_weights
-    from k3train.parallelize import parallelize
-    from parallel.dims import ParallelDims
-
     over = shlex.split(a.layout) + a.overrides + ["--train.device=cpu", "--logging.wandb=false"]
     if a.phase == "import":
         over.append(f"--checkpoint.load_hf={a.hf_dir}")
@@ -64,7 +67,7 @@ def rank_phase(a: argparse.Namespace) -> int:
     before = _rss_now_gib()
     if a.phase == "export":
         stats = write_hf_shards(pm.modules, cfg, a.hf_dir, dims=dims, skip=pm.runner.replica_params,
-                                experts="bf16", dtype=__import__("torch").bfloat16)
+                                experts="bf16", dtype=torch.bfloat16)
     else:
         stats = load_hf_weights(pm.modules, cfg)
     stats["rss_before_gib"] = before
@@ -80,8 +83,6 @@ def run_phase(phase: str, a: argparse.Namespace, hf_dir: Path) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={a.nproc}",
            str(Path(__file__).resolve()), "--phase", phase, "--config", a.config, f"--layout={a.layout}",
            "--hf-dir", str(hf_dir), *a.overrides]
-    from k3train.runtime.process_groups import child_pythonpath
-
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": child_pythonpath(ROOT)}
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     line = next((ln for ln in res.stdout.splitlines() if ln.startswith("BENCH_HF ")), None)
@@ -93,11 +94,6 @@ def run_phase(phase: str, a: argparse.Namespace, hf_dir: Path) -> list[dict]:
 def k3_estimate(config: str, layout: str, import_bytes_per_s: float, max_shard_bytes: int = 5 * 2 ** 30) -> dict:
     """Per pipeline rank of ``config`` in ``layout``: bytes read at import and written at export, the largest
     one-tensor transient, and the import time at ``import_bytes_per_s`` (no model is built: meta shapes only)."""
-    from k3train.config import load_config
-    from k3train.hf.export import FP32_KEYS
-    from k3train.hf.names import PerExpert, PerExpertMXFP4, model_slots
-    from parallel.pipeline.partition import build_partition
-
     over = shlex.split(layout)
     world = 1
     for k in ("pp", "dp", "cp"):

@@ -22,21 +22,18 @@ shared CPU are indicative only.
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from k3train.ops.kda import chunk_kda  # noqa: E402
+from k3train.runtime.local_workers import run_ranks  # noqa: E402
 from kcp import KCPContext  # noqa: E402
 from kcp.edges import EDGE_FIELDS  # noqa: E402
 from kcp.fold import fold_adjoint, fold_entry  # noqa: E402
@@ -140,59 +137,44 @@ def fold_compute_seconds(plan, H: int, K: int, reps: int, B: int = 1) -> float:
     return (time.perf_counter() - t0) / reps
 
 
-def _worker(rank: int, cp: int, port: int, t_fulls: list[int], H: int, K: int, reps: int, q: mp.Queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=cp, timeout=timedelta(seconds=600))
-    try:
-        for T in t_fulls:
-            t = T // cp
-            full = _inputs(T, H, K, seed=T)
-            loc = [x[:, rank * t:(rank + 1) * t].clone().requires_grad_(True) for x in full]
-            doc_ids = torch.zeros(1, t, dtype=torch.long)  # one document over every rank
-            res = dict(total=0.0, fold=0.0, pairs=0.0, local=0.0, bytes=0)
-            for it in range(reps + 1):  # the first iteration warms up
-                ctx = KCPContext(None if cp == 1 else dist.group.WORLD, doc_ids,
-                                 torch.arange(rank * t, (rank + 1) * t)[None])
-                dist.barrier()
-                t0 = time.perf_counter()
-                o, _ = ctx.kda_with_state(*loc, output_final_state=False)
-                o.sum().backward()
-                t_total = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                o2, _ = chunk_kda(*(flatten_tokens(x) for x in loc))
-                o2.sum().backward()
-                t_local = time.perf_counter() - t0
-                if it > 0:
-                    s = ctx.stats.seconds
-                    res["total"] += t_total / reps
-                    res["fold"] += (s["kda_fold_fwd"] + s["kda_fold_bwd"]) / reps
-                    res["pairs"] += s["kda_local_fwd"] / reps
-                    res["local"] += t_local / reps
-                    res["bytes"] = ctx.stats.bytes["kda_fwd"] + ctx.stats.bytes["kda_bwd"]
-                    res["ctx_bytes"] = ctx.stats.bytes["layout"]
-            res["fold_compute"] = fold_compute_seconds(ctx.plan, H, K, reps)
-            q.put((rank, T, res))
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, cp: int, t_fulls: list[int], H: int, K: int, reps: int) -> dict[int, dict]:
+    """One gloo rank of :func:`run_measured`: its timings and bytes per full row length."""
+    out = {}
+    for T in t_fulls:
+        t = T // cp
+        full = _inputs(T, H, K, seed=T)
+        loc = [x[:, rank * t:(rank + 1) * t].clone().requires_grad_(True) for x in full]
+        doc_ids = torch.zeros(1, t, dtype=torch.long)  # one document over every rank
+        res = dict(total=0.0, fold=0.0, pairs=0.0, local=0.0, bytes=0)
+        for it in range(reps + 1):  # the first iteration warms up
+            ctx = KCPContext(None if cp == 1 else dist.group.WORLD, doc_ids,
+                             torch.arange(rank * t, (rank + 1) * t)[None])
+            dist.barrier()
+            t0 = time.perf_counter()
+            o, _ = ctx.kda_with_state(*loc, output_final_state=False)
+            o.sum().backward()
+            t_total = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            o2, _ = chunk_kda(*(flatten_tokens(x) for x in loc))
+            o2.sum().backward()
+            t_local = time.perf_counter() - t0
+            if it > 0:
+                s = ctx.stats.seconds
+                res["total"] += t_total / reps
+                res["fold"] += (s["kda_fold_fwd"] + s["kda_fold_bwd"]) / reps
+                res["pairs"] += s["kda_local_fwd"] / reps
+                res["local"] += t_local / reps
+                res["bytes"] = ctx.stats.bytes["kda_fwd"] + ctx.stats.bytes["kda_bwd"]
+                res["ctx_bytes"] = ctx.stats.bytes["layout"]
+        res["fold_compute"] = fold_compute_seconds(ctx.plan, H, K, reps)
+        out[T] = res
+    return out
 
 
 def run_measured(cp: int, t_fulls: list[int], H: int, K: int, reps: int) -> dict[int, list[dict]]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, cp, port, t_fulls, H, K, reps, q)) for r in range(cp)]
-    for p in procs:
-        p.start()
-    out: dict[int, list[dict]] = {T: [] for T in t_fulls}
-    for _ in range(cp * len(t_fulls)):
-        rank, T, res = q.get(timeout=1800)
-        out[T].append(res)
-    for p in procs:
-        p.join()
-    return out
+    """Per full row length, every rank's timings and bytes (rank order)."""
+    per_rank = run_ranks(_worker, cp, t_fulls, H, K, reps, timeout=1800)
+    return {T: [mine[T] for mine in per_rank] for T in t_fulls}
 
 
 def main() -> None:

@@ -41,6 +41,7 @@ This is a tool, not a test. ``--clock thread`` times with the calling thread's C
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import statistics
 import sys
@@ -64,8 +65,6 @@ def naive_reference(naive_file: str = "") -> tuple[str, Callable, bool]:
     ``naive_file``, fla's ``fla/ops/kda/naive.py``: on a CPU machine the ``fla`` package itself does not import,
     its ``__init__`` needs Triton, but that one file needs only torch and einops), else our token loop."""
     if naive_file:
-        import importlib.util
-
         spec = importlib.util.spec_from_file_location("fla_kda_naive", naive_file)
         if spec is None or spec.loader is None:
             raise SystemExit(f"--naive-file {naive_file}: not a Python file")
@@ -73,6 +72,7 @@ def naive_reference(naive_file: str = "") -> tuple[str, Callable, bool]:
         spec.loader.exec_module(mod)
         return f"fla naive_chunk_kda from {naive_file}", mod.naive_chunk_kda, True
     try:
+        # lazy: fla is optional (not installed on CPU machines)
         from fla.ops.kda.naive import naive_chunk_kda  # type: ignore[import-not-found]
     except ImportError:
         return "k3train.ops.kda_naive.naive_recurrent_kda (fla not installed)", naive_recurrent_kda, False

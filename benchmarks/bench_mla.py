@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from k3train.config import load_config  # noqa: E402
+from k3train.config.presets import tiny_model_config  # noqa: E402
+from k3train.data.dataset import validate_indexed_dataset  # noqa: E402
 from k3train.model.mla import MLA  # noqa: E402
 from k3train.ops.mla_dense import MaskInfo, attention_core  # noqa: E402
 from k3train.model.seq import SeqInfo  # noqa: E402
@@ -40,10 +41,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def build_layer(heads: int, hidden: int, block: int) -> MLA:
-    over = [f"--model.hidden_size={hidden}", f"--model.num_attention_heads={heads}", "--model.q_lora_rank=1536",
-            "--model.kv_lora_rank=512", "--model.qk_nope_head_dim=128", "--model.qk_rope_head_dim=64",
-            "--model.v_head_dim=128", f"--model.mla_block_size={block}", f"--model.kda_num_heads={heads}"]
-    cfg = load_config(ROOT / "configs/tiny.yaml", over).model
+    cfg = tiny_model_config(f"hidden_size={hidden}", f"num_attention_heads={heads}", "q_lora_rank=1536",
+                            "kv_lora_rank=512", "qk_nope_head_dim=128", "qk_rope_head_dim=64", "v_head_dim=128",
+                            f"mla_block_size={block}", f"kda_num_heads={heads}")
     torch.manual_seed(0)
     m = MLA(cfg)
     m.train()
@@ -74,8 +74,6 @@ def peak_bytes(m: MLA, T: int) -> int:
 
 
 def corpus_doc_lengths(prefix: Path) -> np.ndarray:
-    from k3train.data.dataset import validate_indexed_dataset
-
     info = validate_indexed_dataset(prefix)
     seq_lens = info.sequence_lengths.astype(np.int64)
     csum = np.concatenate([[0], np.cumsum(seq_lens)])

@@ -24,10 +24,21 @@ import timeit
 from pathlib import Path
 
 import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from k3train.config import ModelConfig  # noqa: E402
+from k3train.model.moe import LatentMoE  # noqa: E402
+from k3train.planning.fakerun.live_bytes import LiveBytes  # noqa: E402
+from k3train.runtime.local_workers import run_ranks  # noqa: E402
+from moonep import apply_expert_parallel, collect_moonep_metrics  # noqa: E402
+from moonep.fast_layout import counts_to_host, fast_rank_layout, plan_with_takes  # noqa: E402
+from moonep.layout import build_rank_layout, local_route_positions  # noqa: E402
 from moonep.planner import max_over_mean, plan_redundant_experts, zipf_counts  # noqa: E402
+from parallel.dims import ParallelDims  # noqa: E402
 
 
 def eplb_loads(history: np.ndarray, current: np.ndarray, R: int) -> np.ndarray:
@@ -112,11 +123,6 @@ def bench_layout(args: argparse.Namespace) -> None:
     counts, plan on [R]/[n] lists, block-move layout) vs the readable reference (host plan, [R, R, E] split,
     sorts). The local expert sort of the routes is timed apart: it runs before the plan, overlapped with the
     count all-gather."""
-    import torch
-
-    from moonep.fast_layout import counts_to_host, fast_rank_layout, plan_with_takes
-    from moonep.layout import build_rank_layout, local_route_positions
-
     torch.set_num_threads(args.threads)
     E, R, k = args.experts, args.ranks, args.k
     rng = np.random.default_rng(args.seed)
@@ -165,21 +171,16 @@ def bench_layout(args: argparse.Namespace) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------------------
-def _mem_body(rank: int, world: int, args: argparse.Namespace, out: dict) -> None:
-    import torch
-    import torch.distributed as dist
-    from torch import nn
+def _moe_cfg(args: argparse.Namespace) -> ModelConfig:
+    """The measured MoE layer: no shared expert, no router balancing (the router bias sets the popularity)."""
+    return ModelConfig(hidden_size=args.d, routed_expert_hidden_size=args.l, moe_intermediate_size=args.f,
+                       num_experts=args.experts, num_experts_per_token=args.k, num_shared_experts=0,
+                       router_balance="none")
 
-    from k3train.config import ModelConfig
-    from k3train.model.moe import LatentMoE
-    from k3train.planning.fakerun.live_bytes import LiveBytes
-    from moonep import apply_expert_parallel
-    from parallel.dims import ParallelDims
 
+def _mem_body(rank: int, world: int, args: argparse.Namespace) -> None:
     dims = ParallelDims(dp=world, ep=world, world_size=world, rank=rank).build_groups()
-    cfg = ModelConfig(hidden_size=args.d, routed_expert_hidden_size=args.l, moe_intermediate_size=args.f,
-                      num_experts=args.experts, num_experts_per_token=args.k, num_shared_experts=0,
-                      router_balance="none")
+    cfg = _moe_cfg(args)
     n = args.experts // world
     rows = []
     for layers in args.layers:
@@ -230,30 +231,18 @@ def _mem_body(rank: int, world: int, args: argparse.Namespace, out: dict) -> Non
                   f"{moon[2]:>8d} | {moon[3]:>4d} | {layers * mbs * n * expert:>15d}")
         print("held: live bytes after all forwards (activations, graphs; both variants compute the same rows in "
               "total); bwd peak: transient during the backwards (replica grads + reduce-back receive rounds); pool: "
-              f"the two shared replica banks (persistent, = 2*n*expert); old design held = layers*mbs*n*expert")
+              "the two shared replica banks (persistent, = 2*n*expert); old design held = layers*mbs*n*expert")
 
 
 def bench_memory(args: argparse.Namespace) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from dist_helpers import run_distributed
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    run_distributed(_mem_body, args.world, args, {}, timeout=1800)
+    run_ranks(_mem_body, args.world, args, timeout=1800)
 
 
 # ------------------------------------------------------------------------------------------------------------------
-def _step_body(rank: int, world: int, args: argparse.Namespace, out: dict) -> None:
-    import torch
-    import torch.distributed as dist
-
-    from k3train.config import ModelConfig
-    from k3train.model.moe import LatentMoE
-    from moonep import apply_expert_parallel, collect_moonep_metrics
-    from parallel.dims import ParallelDims
-
+def _step_body(rank: int, world: int, args: argparse.Namespace) -> None:
     dims = ParallelDims(dp=world, ep=world, world_size=world, rank=rank).build_groups()
-    cfg = ModelConfig(hidden_size=args.d, routed_expert_hidden_size=args.l, moe_intermediate_size=args.f,
-                      num_experts=args.experts, num_experts_per_token=args.k, num_shared_experts=0,
-                      router_balance="none")
+    cfg = _moe_cfg(args)
     results = {}
     for moonep in (False, True):
         torch.manual_seed(0)
@@ -283,12 +272,21 @@ def _step_body(rank: int, world: int, args: argparse.Namespace, out: dict) -> No
 
 
 def bench_step(args: argparse.Namespace) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from dist_helpers import run_distributed
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     print(f"MoE layer fwd+bwd on {args.world} gloo ranks: E={args.experts} top-{args.k} d={args.d} l={args.l} "
           f"f={args.f} tokens/rank={args.tokens} zipf alpha={args.alpha} (router bias)")
-    run_distributed(_step_body, args.world, args, {}, timeout=1800)
+    run_ranks(_step_body, args.world, args, timeout=1800)
+
+
+def _moe_layer_args(p: argparse.ArgumentParser, **defaults: float) -> argparse.ArgumentParser:
+    """The gloo runs' flags: ranks, the MoE layer's sizes, tokens per rank and the routing skew."""
+    p.add_argument("--world", type=int, default=2)
+    for name in ("experts", "k", "d", "l", "f", "tokens"):
+        p.add_argument(f"--{name}", type=int, default=defaults[name])
+    p.add_argument("--alpha", type=float, default=defaults["alpha"])
+    p.add_argument("--bias-scale", type=float, default=defaults["bias_scale"],
+                   help="router bias = scale * log(zipf popularity)")
+    return p
 
 
 def main() -> None:
@@ -309,28 +307,12 @@ def main() -> None:
     lo.add_argument("--reps", type=int, default=20)
     lo.add_argument("--threads", type=int, default=1)
     lo.add_argument("--seed", type=int, default=0)
-    me = sub.add_parser("memory")
-    me.add_argument("--world", type=int, default=2)
+    me = _moe_layer_args(sub.add_parser("memory"), experts=8, k=2, d=32, l=32, f=64, tokens=64, alpha=1.5,
+                         bias_scale=0.3)
     me.add_argument("--layers", type=int, nargs="+", default=[1, 2, 4])
     me.add_argument("--mbs", type=int, nargs="+", default=[1, 2, 4])
-    me.add_argument("--experts", type=int, default=8)
-    me.add_argument("--k", type=int, default=2)
-    me.add_argument("--d", type=int, default=32)
-    me.add_argument("--l", type=int, default=32)
-    me.add_argument("--f", type=int, default=64)
-    me.add_argument("--tokens", type=int, default=64)
-    me.add_argument("--alpha", type=float, default=1.5)
-    me.add_argument("--bias-scale", type=float, default=0.3)
-    s = sub.add_parser("step")
-    s.add_argument("--world", type=int, default=2)
-    s.add_argument("--experts", type=int, default=16)
-    s.add_argument("--k", type=int, default=4)
-    s.add_argument("--d", type=int, default=128)
-    s.add_argument("--l", type=int, default=128)
-    s.add_argument("--f", type=int, default=256)
-    s.add_argument("--tokens", type=int, default=512)
-    s.add_argument("--alpha", type=float, default=1.2)
-    s.add_argument("--bias-scale", type=float, default=0.05, help="router bias = scale * log(zipf popularity)")
+    s = _moe_layer_args(sub.add_parser("step"), experts=16, k=4, d=128, l=128, f=256, tokens=512, alpha=1.2,
+                        bias_scale=0.05)
     s.add_argument("--iters", type=int, default=10)
     s.add_argument("--warmup", type=int, default=2)
     args = ap.parse_args()

@@ -23,24 +23,24 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from k3train.config import OptimConfig  # noqa: E402
+from k3train.data.batch import Batch  # noqa: E402
+from k3train.model.model import K3Model  # noqa: E402
 from k3train.preflight import validate_run  # noqa: E402
 from k3train.optim import build_optimizer  # noqa: E402
 from k3train.optim.newton_schulz import newton_schulz, ns_flops  # noqa: E402
 from k3train.optim.param_groups import mark_per_head  # noqa: E402
+from k3train.runtime.local_workers import WorkerFailure, run_ranks  # noqa: E402
 from parallel.dims import ParallelDims  # noqa: E402
 
 MiB = 2 ** 20
@@ -103,8 +103,6 @@ def standin_factory(a: argparse.Namespace) -> tuple[nn.Module, Callable[[nn.Modu
 
 
 def k3_factory(a: argparse.Namespace) -> tuple[nn.Module, Callable[[nn.Module, int], torch.Tensor], Any]:
-    from k3train.data.batch import Batch
-    from k3train.model.model import K3Model
     cfg = validate_run(a.config, [], world_size=a.world, for_training=False)  # the run-config checks; no data read
     m = K3Model(cfg.model, cfg.vision)
     m.init_weights(cfg.train.seed)
@@ -131,20 +129,9 @@ def _chunks(model: nn.Module) -> list[list[nn.Parameter]]:
     return [c for c in out if c]
 
 
-def _rank_main(rank: int, world: int, port: int, a: argparse.Namespace, q: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        _measure(rank, world, a, q)
-    except BaseException:  # report to the parent instead of leaving it waiting
-        q.put(f"rank {rank} failed:\n{traceback.format_exc()}")
-        raise
-    finally:
-        dist.destroy_process_group()
-
-
-def _measure(rank: int, world: int, a: argparse.Namespace, q: Any) -> None:
+def _measure(rank: int, world: int, a: argparse.Namespace) -> list | None:
+    """One gloo rank of :func:`bench_memory`: every rank's bytes per zero level, gathered on rank 0 (which returns
+    them)."""
     dims = ParallelDims(dp=world, world_size=world, rank=rank).build_groups()
     factory = k3_factory if a.model == "k3" else standin_factory
     rows = []
@@ -157,7 +144,7 @@ def _measure(rank: int, world: int, a: argparse.Namespace, q: Any) -> None:
         for chunk in _chunks(model):
             left = {"n": len(chunk)}
 
-            def on_grad(p: torch.Tensor, chunk=chunk, left=left) -> None:
+            def on_grad(p: torch.Tensor, chunk=chunk, left=left, opt=opt) -> None:
                 left["n"] -= 1
                 peak[0] = max(peak[0], opt.grad_bytes())
                 if left["n"] == 0:  # the chunk's gradients are final: what the pipeline runner signals
@@ -176,26 +163,14 @@ def _measure(rank: int, world: int, a: argparse.Namespace, q: Any) -> None:
         del model, opt
     out = [None] * world
     dist.all_gather_object(out, rows)
-    if rank == 0:
-        q.put(out)
+    return out if rank == 0 else None
 
 
 def bench_memory(a: argparse.Namespace) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, a.world, port, a, q)) for r in range(a.world)]
-    for p in procs:
-        p.start()
-    per_rank = q.get(timeout=1800)
-    for p in procs:
-        p.join(timeout=None if not isinstance(per_rank, str) else 10)
-        if p.is_alive():
-            p.kill()
-    if isinstance(per_rank, str):
-        raise SystemExit(per_rank)
+    try:
+        per_rank = run_ranks(_measure, a.world, a, timeout=1800)[0]
+    except WorkerFailure as e:
+        raise SystemExit(str(e)) from None
     print(f"\nmemory per rank, {a.world} gloo ranks, model={a.model} (MiB, measured from tensors)")
     print(f"{'zero':>4} {'rank':>4} {'params':>9} {'grads peak':>11} {'grads held':>11} {'optim state':>12}"
           f" {'state/zero0':>12}")

@@ -27,21 +27,23 @@ machine with at least pp cores: on an oversubscribed CPU a wait mostly measures 
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from k3train.config import load_config  # noqa: E402
-from parallel.pipeline import AttnResCommPlan, build_partition, describe_partition, theoretical_bubble  # noqa: E402
+from k3train.config.presets import tiny_config  # noqa: E402
+from k3train.data.batch import Batch  # noqa: E402
+from k3train.model.model import K3Model  # noqa: E402
+from k3train.runtime.local_workers import run_ranks  # noqa: E402
+from parallel.dims import ParallelDims  # noqa: E402
+from parallel.pipeline import (AttnResCommPlan, LossNorm, build_partition, build_step_runner,  # noqa: E402
+                               describe_partition, theoretical_bubble)
 from parallel.pipeline.p2p import build_programs, recv_lead  # noqa: E402
 from parallel.pipeline.placement import Placement  # noqa: E402
 from parallel.pipeline.partition import (auto_layers_per_stage, embed_cost, head_cost,  # noqa: E402
@@ -51,9 +53,9 @@ from parallel.pipeline.schedules import build_schedule, resolve_schedule, simula
 GB = 1e9
 
 
-def _k3_cfg(pp: int, vpp: int):
+def _k3_cfg(pp: int, vpp: int, *extra: str):
     return load_config(None, ["--model.num_nextn_predict_layers=1", f"--parallel.pp={pp}", f"--parallel.vpp={vpp}",
-                              "--train.seq_len=8192"])
+                              "--train.seq_len=8192", *extra])
 
 
 def boundary_table(plan: AttnResCommPlan, per_tensor: float) -> list[str]:
@@ -114,9 +116,7 @@ def tie_break_k3(pp: int = 8, vpp: int = 4, S: int = 8192) -> None:
     auto = build_partition(m, cfg.parallel, S)
     plain_sizes = auto_layers_per_stage([layer_cost(m, i, S) for i in range(m.num_hidden_layers)], pp * vpp,
                                         embed_cost(m), head_cost(m, S))
-    plain_cfg = load_config(None, ["--model.num_nextn_predict_layers=1", f"--parallel.pp={pp}",
-                                   f"--parallel.vpp={vpp}", "--train.seq_len=8192",
-                                   f"--parallel.pp_layers=[{','.join(map(str, plain_sizes))}]"])
+    plain_cfg = _k3_cfg(pp, vpp, f"--parallel.pp_layers=[{','.join(map(str, plain_sizes))}]")
     plain = build_partition(plain_cfg.model, plain_cfg.parallel, S)
     print(f"\nAttnRes tie-break, K3 pp={pp} vpp={vpp}, S={S}, bf16, cached (MiB per micro-batch, forward):")
     for name, part in (("plain min-bottleneck split", plain), ("auto partition (tie-break)", auto)):
@@ -147,22 +147,27 @@ def recv_lead_table(layouts: list[tuple[str, int, int, int]]) -> None:
 def _small_cfg(pp: int, vpp: int, comm: str, M: int, hidden: int, seq: int):
     """24 layers in blocks of 3, split evenly (24 / (pp*vpp) layers per virtual stage)."""
     n = pp * vpp
-    return load_config(ROOT / "configs" / "tiny.yaml", [f"--parallel.pp_layers=[{','.join([str(24 // n)] * n)}]",
-        f"--model.hidden_size={hidden}", "--model.vocab_size=512", "--model.num_hidden_layers=24",
-        "--model.attn_res_block_size=3", "--model.num_experts=4", "--model.num_experts_per_token=2",
-        "--model.kda_chunk_size=16", f"--parallel.pp={pp}", f"--parallel.vpp={vpp}", f"--parallel.attnres_comm={comm}",
-        f"--train.seq_len={seq}", "--train.micro_batch_size=1", f"--train.global_batch_size={M}"], world_size=pp)
+    return tiny_config(f"--parallel.pp_layers=[{','.join([str(24 // n)] * n)}]",
+                       f"--model.hidden_size={hidden}", "--model.vocab_size=512", "--model.num_hidden_layers=24",
+                       "--model.attn_res_block_size=3", "--model.num_experts=4", "--model.num_experts_per_token=2",
+                       "--model.kda_chunk_size=16", f"--parallel.pp={pp}", f"--parallel.vpp={vpp}",
+                       f"--parallel.attnres_comm={comm}", f"--train.seq_len={seq}", "--train.micro_batch_size=1",
+                       f"--train.global_batch_size={M}", world_size=pp)
 
 
-def _rank_main(rank: int, world: int, port: int, runs: list, steps: int, hidden: int, seq: int, q) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=600))
-    from k3train.data.batch import Batch
-    from k3train.model.model import K3Model
-    from parallel.dims import ParallelDims
-    from parallel.pipeline import LossNorm, build_step_runner
+def _timed_steps(runner, batches: list[Batch], norm: LossNorm, steps: int) -> list[dict]:
+    """One warm-up step, then ``steps`` timed ones (the ranks start each together): their step statistics."""
+    runner.forward_backward(batches, norm)  # warm-up
+    recs = []
+    for _ in range(steps):
+        runner.model.zero_grad(set_to_none=True)
+        dist.barrier()
+        recs.append(runner.forward_backward(batches, norm))
+    return recs
 
+
+def _measure_rank(rank: int, world: int, runs: list, steps: int, hidden: int, seq: int) -> list | None:
+    """One gloo rank of :func:`measured`: every rank's best step per run, gathered on rank 0 (which returns them)."""
     out = []
     for vpp, comm, M in runs:
         cfg = _small_cfg(world, vpp, comm, M, hidden, seq)
@@ -173,14 +178,7 @@ def _rank_main(rank: int, world: int, port: int, runs: list, steps: int, hidden:
         g = torch.Generator().manual_seed(0)
         batches = [Batch.from_samples(torch.randint(3, 512, (1, seq + 1), generator=g), eos_id=1) for _ in range(M)]
         norm = LossNorm.from_batches(batches, cfg.model.mtp_loss_weight)
-        runner.forward_backward(batches, norm)  # warm-up
-        recs = []
-        for _ in range(steps):
-            runner.model.zero_grad(set_to_none=True)
-            dist.barrier()
-            st = runner.forward_backward(batches, norm)
-            recs.append(st)
-        best = min(recs, key=lambda s: s["step_s"])
+        best = min(_timed_steps(runner, batches, norm, steps), key=lambda s: s["step_s"])
         mine = {k: best[k] for k in ("step_s", "compute_s", "p2p_bytes", "p2p_bytes_hidden", "p2p_bytes_block_cache",
                                      "p2p_bytes_grad")}
         # mean forward / backward seconds per local chunk (last step), for the simulated bubble
@@ -194,10 +192,7 @@ def _rank_main(rank: int, world: int, port: int, runs: list, steps: int, hidden:
             tokens = seq
             plan = runner.plan.step_bytes(M, tokens, hidden, 4)
             out.append(((vpp, comm, M), gathered, plan, runner.partition.layers_per_stage()))
-    if rank == 0:
-        q.put(out)
-    dist.barrier()
-    dist.destroy_process_group()
+    return out if rank == 0 else None
 
 
 def measured(pp: int, M: int, steps: int, hidden: int, seq: int) -> None:
@@ -206,17 +201,7 @@ def measured(pp: int, M: int, steps: int, hidden: int, seq: int) -> None:
           f"{seq} tokens per micro-batch, fp32, M = {M}")
     print("=" * 100)
     runs = [(1, "cached", M), (2, "full", M), (2, "cached", M)]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, pp, port, runs, steps, hidden, seq, q)) for r in range(pp)]
-    for p in procs:
-        p.start()
-    out = q.get(timeout=3600)
-    for p in procs:
-        p.join()
+    out = run_ranks(_measure_rank, pp, runs, steps, hidden, seq, timeout=3600)[0]
     print(f"{'vpp':>3} {'comm':>6} {'layers/stage':<26} {'sent MB/step':>12} {'hidden':>8} {'blocks':>8} "
           f"{'grad':>8} {'= plan':>6} {'step s':>7} {'idle (1-compute/step) per rank':>32} {'sim@meas':>9} "
           f"{'formula':>10}")
@@ -246,21 +231,10 @@ def measured(pp: int, M: int, steps: int, hidden: int, seq: int) -> None:
 # --------------------------------------------------------------------------------------------------------------
 # Part 3: receive waits, configs/tiny.yaml (gloo)
 # --------------------------------------------------------------------------------------------------------------
-def _tiny_cfg(pp: int, vpp: int):
-    return load_config(ROOT / "configs" / "tiny.yaml", [f"--parallel.pp={pp}", f"--parallel.vpp={vpp}"],
-                       world_size=pp)
-
-
-def _waits_rank_main(rank: int, world: int, port: int, vpp: int, modes: list[bool], steps: int, q) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=600))
-    from k3train.data.batch import Batch
-    from k3train.model.model import K3Model
-    from parallel.dims import ParallelDims
-    from parallel.pipeline import LossNorm, build_step_runner
-
-    cfg = _tiny_cfg(world, vpp)
+def _waits_rank(rank: int, world: int, vpp: int, modes: list[bool], steps: int) -> tuple[int, list] | None:
+    """One gloo rank of :func:`recv_waits`: per post order, every rank's median waits, gathered on rank 0 (which
+    returns them with the micro-batch count)."""
+    cfg = tiny_config(f"--parallel.pp={world}", f"--parallel.vpp={vpp}", world_size=world)
     M, B, T = cfg.train.grad_accum_steps, cfg.train.micro_batch_size, cfg.train.seq_len
     g = torch.Generator().manual_seed(0)
     batches = [Batch.from_samples(torch.randint(3, cfg.model.vocab_size, (B, T + 1), generator=g),
@@ -272,23 +246,15 @@ def _waits_rank_main(rank: int, world: int, port: int, vpp: int, modes: list[boo
         model = K3Model(cfg.model)
         model.init_weights(1)
         runner = build_step_runner(model, cfg, dims, num_microbatches=M, post_ahead=ahead)
-        runner.forward_backward(batches, norm)  # warm-up
-        recs = []
-        for _ in range(steps):
-            runner.model.zero_grad(set_to_none=True)
-            dist.barrier()
-            st = runner.forward_backward(batches, norm)
-            recs.append((st["recv_wait_s"], st["step_s"], st["compute_s"]))
-        med = [sorted(x)[len(x) // 2] for x in zip(*recs)]
+        stats = _timed_steps(runner, batches, norm, steps)
+        med = [sorted(x)[len(x) // 2] for x in zip(*((st["recv_wait_s"], st["step_s"], st["compute_s"])
+                                                      for st in stats))]
         _, prog, _ = runner.program(M)
         n_recv = sum(1 for ins in prog if ins.op == "recv")
-        out[ahead] = (*med, n_recv, st["loss"])
+        out[ahead] = (*med, n_recv, stats[-1]["loss"])
     gathered: list = [None] * world
     dist.all_gather_object(gathered, out)
-    if rank == 0:
-        q.put((M, gathered))
-    dist.barrier()
-    dist.destroy_process_group()
+    return (M, gathered) if rank == 0 else None
 
 
 def recv_waits(layouts: list[tuple[int, int]], modes: list[bool], steps: int) -> None:
@@ -296,17 +262,7 @@ def recv_waits(layouts: list[tuple[int, int]], modes: list[bool], steps: int) ->
     print(f"Part 3: time blocked on p2p receives per step, configs/tiny.yaml, gloo, medians of {steps} steps")
     print("=" * 100)
     for pp, vpp in layouts:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        ctx = mp.get_context("spawn")
-        q = ctx.Queue()
-        procs = [ctx.Process(target=_waits_rank_main, args=(r, pp, port, vpp, modes, steps, q)) for r in range(pp)]
-        for p in procs:
-            p.start()
-        M, per_rank = q.get(timeout=3600)
-        for p in procs:
-            p.join()
+        M, per_rank = run_ranks(_waits_rank, pp, vpp, modes, steps, timeout=3600)[0]
         print(f"pp={pp} vpp={vpp} M={M} ({resolve_schedule('auto', pp, vpp)}):")
         print(f"  {'posts':<13} {'recv wait ms per rank':<40} {'sum':>8} {'step ms (max)':>14} {'loss':>10}")
         for ahead in modes:

@@ -84,8 +84,26 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+import torch.nn.functional as F
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from k3train.data.multimodal.dataset import build_multimodal_dataset  # noqa: E402
+from k3train.data.multimodal.prepare import prepare_multimodal  # noqa: E402
+from k3train.data.multimodal.shards import read_energon  # noqa: E402
+from k3train.data.multimodal.shipped import COLORS, build_samples, build_shipped_shards  # noqa: E402
+from k3train.data.multimodal.validate import vision_geometry  # noqa: E402
+from k3train.data.multimodal.vl_tokenizer import MEDIA_END, MEDIA_PAD  # noqa: E402
+from k3train.data.tokenizer import load_config_tokenizer  # noqa: E402
+from k3train.model.media import MediaInputs  # noqa: E402
+from k3train.model.vit_tower import VisionTower  # noqa: E402
+from k3train.preflight import validate_run  # noqa: E402
+from k3train.runtime.bad_input import is_bad_input, report_bad_input  # noqa: E402
+from k3train.trainer import Trainer  # noqa: E402
+from parallel.pipeline.loss_norm import LossNorm  # noqa: E402
 
 # a valid split of ~10% of the corpus's documents; one micro-batch per step (the gradient of the config's 4 x 2
 # rows, ~25% faster on one core); user overrides win
@@ -102,8 +120,6 @@ STEPS, EVAL_EVERY, MIN_GAP = 150, 50, 0.1
 
 
 def _templates() -> tuple[re.Pattern, re.Pattern, re.Pattern, re.Pattern]:
-    from k3train.data.multimodal.shipped import COLORS
-
     picture = re.compile(r"^ A (\w+) (\w+)\.\n?$")  # shipped.shape_picture's caption
     clip = re.compile(r"^ A (\w+) (\w+) moves (\w+) over \d+ frames\.")  # shipped.clip_frames' caption
     fill = re.compile(r'fill="(%s)"' % "|".join(map(re.escape, COLORS)))  # the random palette only
@@ -138,8 +154,6 @@ def document_image_tags(tok: Any, kind: str, sequence: list[Any], doc: Any, medi
     """``[len(doc)]`` bool: the tokens of the prepared document ``doc`` that belong to an image-dependent word.
     Re-tokenizes the shard ``sequence`` as preparation does (each text element on its own; the media spans at
     ``media_spans``, EOS last) and raises if that does not give ``doc`` back."""
-    import numpy as np
-
     ids: list[int] = []
     tags: list[bool] = []
     spans = iter(media_spans)
@@ -167,8 +181,6 @@ def text_after_media_mask(batch: Any, media_end_id: int, first_special_media_id:
                           special_ids: set[int]) -> Any:
     """``[B, T]`` float mask of the labels to score: text tokens (below the media ids, not a special token)
     after the first ``media_end_id`` token of their document, where the batch's own loss mask is on."""
-    import torch
-
     tokens, labels, doc = batch.tokens, batch.labels, batch.doc_ids
     seen = torch.zeros_like(tokens, dtype=torch.bool)
     for b in range(tokens.shape[0]):  # per row, per document: after its first media end
@@ -182,8 +194,6 @@ def text_after_media_mask(batch: Any, media_end_id: int, first_special_media_id:
 
 def pixel_stats(medias: list[Any]) -> tuple[Any, Any]:
     """Per-channel ``(mean [3], std [3])`` of every pixel value of ``medias`` (``MediaInputs``) together."""
-    import torch
-
     px = torch.cat([m.pixel_values.double().transpose(0, 1).reshape(3, -1) for m in medias], dim=1)
     return px.mean(1), px.std(1)
 
@@ -192,10 +202,6 @@ def noise_like(media: Any, seed: int, mean: Any, std: Any) -> Any:
     """``media`` with every pixel value replaced by Gaussian noise of per-channel ``mean`` / ``std`` (``[3]``;
     :func:`pixel_stats` of the whole evaluation set: statistics that say nothing about one media); the shapes and
     ``grid_thw`` are kept."""
-    import torch
-
-    from k3train.model.media import MediaInputs
-
     g = torch.Generator().manual_seed(seed)
     px = media.pixel_values
     z = torch.randn(px.shape, generator=g, dtype=torch.float64)
@@ -205,8 +211,6 @@ def noise_like(media: Any, seed: int, mean: Any, std: Any) -> Any:
 
 def shipped_counts() -> dict[str, int]:
     """The shipped corpus's sample counts per kind (``build_samples``' defaults): ``{"video": 40, ...}``."""
-    from k3train.data.multimodal.shipped import build_samples
-
     return {k[2:]: p.default for k, p in inspect.signature(build_samples).parameters.items() if k.startswith("n_")}
 
 
@@ -214,10 +218,6 @@ def build_corpus(cfg: Any, tok: Any, root: Path, counts: dict[str, int], seed: i
     """``(prefix, shard dir)``: the shipped generator's corpus with ``counts`` (``n_picture`` / ``n_video`` /
     ``n_ocr`` / ``n_code``) samples, built and prepared in ``root`` like ``tools/prepare_data.py --shipped-multimodal``
     (config's tokenizer, media limit and patch geometry)."""
-    from k3train.data.multimodal.prepare import prepare_multimodal
-    from k3train.data.multimodal.shipped import build_shipped_shards
-    from k3train.data.multimodal.validate import vision_geometry
-
     wds, prefix = root / "mm_wds", root / "mm"
     build_shipped_shards(wds, seed, **counts)
     patch, merge = vision_geometry(cfg)
@@ -230,10 +230,6 @@ def break_vision(modules: list[Any], how: str) -> list[int]:
     :class:`k3train.model.vit_tower.VisionTower` (encoder + merge + projector) returns zeros of its output's shape,
     so the placeholders' embeddings no longer depend on the pixels (and no gradient reaches the tower). Returns a
     one-element list counting the hook's calls (the caller checks it ran)."""
-    import torch
-
-    from k3train.model.vit_tower import VisionTower
-
     if how != "zero-encoder":
         raise ValueError(f"--break-vision: unknown {how!r} (none, zero-encoder)")
     calls = [0]
@@ -265,13 +261,6 @@ class EvalSet:
 
 def eval_set(cfg: Any, tok: Any, shard_dir: Path, rows: int, mbs: int) -> EvalSet:
     """The first ``rows`` rows (0: all) of the valid split as micro-batches, with every group's label mask."""
-    import numpy as np
-    import torch
-
-    from k3train.data.multimodal.dataset import build_multimodal_dataset
-    from k3train.data.multimodal.shards import read_energon
-    from k3train.data.multimodal.vl_tokenizer import MEDIA_END, MEDIA_PAD
-
     ds = build_multimodal_dataset(cfg, tok, "valid", None)
     media_end, media_pad = tok._tok.token_to_id(MEDIA_END), tok._tok.token_to_id(MEDIA_PAD)
     if media_end is None or media_pad is None:
@@ -335,11 +324,6 @@ def token_ce(trainer: Any, es: EvalSet, noise: bool) -> list[Any]:
     """Per-label cross-entropy ``[B, T]`` of every micro-batch (``noise``: with :func:`noise_like` media), forward
     only through the runner with the model in eval mode. The LM head's input is read by a hook on the model's
     final norm; the masked sum is checked against the runner's ``lm_loss_sum``."""
-    import torch
-    import torch.nn.functional as F
-
-    from parallel.pipeline.loss_norm import LossNorm
-
     pm = trainer.pm
     model = pm.model
     modes = [m.training for m in pm.modules]
@@ -375,8 +359,6 @@ def token_ce(trainer: Any, es: EvalSet, noise: bool) -> list[Any]:
 
 def group_stats(es: EvalSet, real: list[Any], noise: list[Any]) -> dict[str, dict[str, float]]:
     """Per group: mean ``real`` / ``noise`` CE, ``gap``, its document-clustered standard error ``se``, ``tokens``."""
-    import torch
-
     out = {}
     for g in GROUPS:
         m = torch.cat([mk[g].reshape(-1) for mk in es.masks])
@@ -440,7 +422,7 @@ def print_table(evals: list[dict[str, Any]]) -> None:
         print(f"{e['step']:>6} {tl:>7} | " + " ".join(cells) + f" {e['seconds']:>6.1f}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="benchmarks/bench_vision_learns.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     ap.add_argument("--config", default=str(ROOT / "configs" / "tiny-vl.yaml"))
@@ -460,82 +442,92 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="", help="directory for the corpus and the run (default: a temporary one, "
                     "removed)")
     ap.add_argument("--json", action="store_true")
-    args, overrides = ap.parse_known_args(argv)
-    from k3train.preflight import is_bad_input, validate_run
+    return ap
 
+
+def _prepare(args: argparse.Namespace, overrides: list[str], out: Path, t0: float) -> tuple[Any, EvalSet, dict]:
+    """Check the arguments, build and prepare the corpus, read the evaluation set: the run's config, the set and
+    the run's description (bad input raises before any training)."""
+    if args.steps < 1 or args.eval_every < 1 or args.eval_rows < 0:
+        raise ValueError("--steps and --eval-every must be >= 1, --eval-rows >= 0")
+    counts = {f"n_{k}": getattr(args, k) for k in CORPUS}
+    if min(counts.values()) < 0 or not sum(counts[f"n_{k}"] for k in IMG_GROUPS):
+        raise ValueError(f"--picture / --video / --ocr / --code must be >= 0, with some of "
+                         f"{', '.join(IMG_GROUPS)} (the kinds with image-dependent words), got {counts}")
+    if any(o.split("=", 1)[0] == "--data.path" for o in overrides):
+        raise ValueError("--data.path: this tool trains on the corpus it builds (--picture, --video, --ocr, "
+                         "--code, --corpus-seed), not on a given dataset")
+    run = [*DEFAULTS, *overrides, *FIXED, f"--train.steps={args.steps}", f"--train.out_dir={out / 'run'}"]
+    cfg = validate_run(args.config, run, world_size=1, for_training=False)
+    if cfg.data.format != "multimodal" or not cfg.vision.enabled:
+        raise ValueError(f"{args.config}: needs data.format=multimodal and vision.enabled=true")
+    tok = load_config_tokenizer(cfg)
+    prefix, wds = build_corpus(cfg, tok, out / "data", counts, args.corpus_seed)
+    t_data = time.perf_counter() - t0
+    cfg = validate_run(args.config, [*run, f"--data.path={prefix}"], world_size=1)
+    es = eval_set(cfg, tok, wds, args.eval_rows, cfg.train.micro_batch_size)
+    train_rows = len(build_multimodal_dataset(cfg, tok, "train", None))  # one epoch
+    read = args.steps * cfg.train.global_batch_size
+    head = {"config": args.config, "steps": args.steps, "break_vision": args.break_vision,
+            "corpus_counts": counts, "corpus_seed": args.corpus_seed,
+            "documents": int(sum(counts.values())), "train_rows_per_epoch": train_rows, "rows_read": read,
+            "epochs_read": read / train_rows, "eval_rows": es.rows,
+            "scored_tokens": {g: es.tokens(g) for g in GROUPS}, "data_s": round(t_data, 1)}
+    return cfg, es, head
+
+
+def _train_and_evaluate(cfg: Any, es: EvalSet, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Train ``args.steps`` steps, evaluating at step 0, every ``args.eval_every`` steps and at the end."""
+    t1 = time.perf_counter()
+    tr = Trainer(cfg)
+    hook_calls = break_vision(tr.pm.modules, args.break_vision) if args.break_vision != "none" else None
+    evals: list[dict[str, Any]] = []
+    losses: list[float] = []
+    try:
+        def evaluate() -> None:
+            groups = group_stats(es, token_ce(tr, es, False), token_ce(tr, es, True))
+            evals.append({"step": tr.step, "groups": groups, "seconds": round(time.perf_counter() - t1, 1),
+                          "train_loss": sum(losses) / len(losses) if losses else math.nan})
+            losses.clear()
+            if not args.json:
+                a, i = groups["all"], groups[PASS_GROUP]
+                print(f"step {tr.step:>5}: all gap {a['gap']:+.4f}  {PASS_GROUP} gap {i['gap']:+.4f} "
+                      f"± {i['se']:.4f}", flush=True)
+
+        evaluate()  # step 0: the control
+        if hook_calls is not None and hook_calls[0] == 0:
+            raise RuntimeError("--break-vision: the hook on the vision tower never ran")
+        while tr.step < args.steps:
+            losses.append(float(tr.train_step().get("loss", math.nan)))
+            if tr.step % args.eval_every == 0 or tr.step == args.steps:
+                evaluate()
+    finally:
+        tr.close()
+    return evals
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = _parser().parse_known_args(argv)
     t0 = time.perf_counter()
     tmp = tempfile.TemporaryDirectory(prefix="k3vision_") if not args.out else None
     out = Path(args.out or tmp.name)
     try:
         try:
-            if args.steps < 1 or args.eval_every < 1 or args.eval_rows < 0:
-                raise ValueError("--steps and --eval-every must be >= 1, --eval-rows >= 0")
-            counts = {f"n_{k}": getattr(args, k) for k in CORPUS}
-            if min(counts.values()) < 0 or not sum(counts[f"n_{k}"] for k in IMG_GROUPS):
-                raise ValueError(f"--picture / --video / --ocr / --code must be >= 0, with some of "
-                                 f"{', '.join(IMG_GROUPS)} (the kinds with image-dependent words), got {counts}")
-            if any(o.split("=", 1)[0] == "--data.path" for o in overrides):
-                raise ValueError("--data.path: this tool trains on the corpus it builds (--picture, --video, --ocr, "
-                                 "--code, --corpus-seed), not on a given dataset")
-            run = [*DEFAULTS, *overrides, *FIXED, f"--train.steps={args.steps}", f"--train.out_dir={out / 'run'}"]
-            cfg = validate_run(args.config, run, world_size=1, for_training=False)
-            if cfg.data.format != "multimodal" or not cfg.vision.enabled:
-                raise ValueError(f"{args.config}: needs data.format=multimodal and vision.enabled=true")
-            from k3train.data.tokenizer import load_config_tokenizer
-
-            tok = load_config_tokenizer(cfg)
-            prefix, wds = build_corpus(cfg, tok, out / "data", counts, args.corpus_seed)
-            t_data = time.perf_counter() - t0
-            cfg = validate_run(args.config, [*run, f"--data.path={prefix}"], world_size=1)
-            es = eval_set(cfg, tok, wds, args.eval_rows, cfg.train.micro_batch_size)
-            from k3train.data.multimodal.dataset import build_multimodal_dataset
-
-            train_rows = len(build_multimodal_dataset(cfg, tok, "train", None))  # one epoch
+            cfg, es, head = _prepare(args, overrides, out, t0)
         except Exception as e:  # noqa: BLE001
             if not (is_bad_input(e) or isinstance(e, ValueError)):
                 raise
-            print(f"k3train: error: {e}", file=sys.stderr)
-            return 2
-        from k3train.trainer import Trainer
-
-        read = args.steps * cfg.train.global_batch_size
-        head = {"config": args.config, "steps": args.steps, "break_vision": args.break_vision,
-                "corpus_counts": counts, "corpus_seed": args.corpus_seed,
-                "documents": int(sum(counts.values())), "train_rows_per_epoch": train_rows, "rows_read": read,
-                "epochs_read": read / train_rows, "eval_rows": es.rows,
-                "scored_tokens": {g: es.tokens(g) for g in GROUPS}, "data_s": round(t_data, 1)}
+            return report_bad_input(e)
         if not args.json:
+            counts, read, train_rows = head["corpus_counts"], head["rows_read"], head["train_rows_per_epoch"]
             broken = "" if args.break_vision == "none" else f"; VISION BROKEN: {args.break_vision}"
-            print(f"{args.config}{broken}: corpus {counts} (seed {args.corpus_seed}) built in {t_data:.1f}s; training "
-                  f"reads {read} rows = {read / train_rows:.2f} epochs of the train split ({train_rows} rows)")
+            print(f"{args.config}{broken}: corpus {counts} (seed {args.corpus_seed}) built in {head['data_s']:.1f}s; "
+                  f"training reads {read} rows = {read / train_rows:.2f} epochs of the train split ({train_rows} "
+                  "rows)")
             print(f"scored on {es.rows} valid rows: " + ", ".join(f"{g} {n}" for g, n in
                                                                   head["scored_tokens"].items()) + " tokens",
                   flush=True)
-        t1 = time.perf_counter()
-        tr = Trainer(cfg)
-        hook_calls = break_vision(tr.pm.modules, args.break_vision) if args.break_vision != "none" else None
-        evals: list[dict[str, Any]] = []
-        losses: list[float] = []
-        try:
-            def evaluate() -> None:
-                groups = group_stats(es, token_ce(tr, es, False), token_ce(tr, es, True))
-                evals.append({"step": tr.step, "groups": groups, "seconds": round(time.perf_counter() - t1, 1),
-                              "train_loss": sum(losses) / len(losses) if losses else math.nan})
-                losses.clear()
-                if not args.json:
-                    a, i = groups["all"], groups[PASS_GROUP]
-                    print(f"step {tr.step:>5}: all gap {a['gap']:+.4f}  {PASS_GROUP} gap {i['gap']:+.4f} "
-                          f"± {i['se']:.4f}", flush=True)
-
-            evaluate()  # step 0: the control
-            if hook_calls is not None and hook_calls[0] == 0:
-                raise RuntimeError("--break-vision: the hook on the vision tower never ran")
-            while tr.step < args.steps:
-                losses.append(float(tr.train_step().get("loss", math.nan)))
-                if tr.step % args.eval_every == 0 or tr.step == args.steps:
-                    evaluate()
-        finally:
-            tr.close()
+        evals = _train_and_evaluate(cfg, es, args)
     finally:
         if tmp is not None:
             tmp.cleanup()
@@ -550,7 +542,6 @@ def main(argv: list[str] | None = None) -> int:
         print_table(evals)
         print(line)
     return 0 if ok else 1
-
 
 if __name__ == "__main__":
     sys.exit(main())

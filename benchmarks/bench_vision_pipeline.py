@@ -5,7 +5,7 @@
     .venv/bin/python benchmarks/bench_vision_pipeline.py --pp 2 --steps 1 --warmup 0 --train.global_batch_size=4  # smoke
 
 What runs: ``configs/tiny-vl.yaml`` (any ``--section.key=value`` overrides it) on the shipped multimodal corpus
-(``make data-mm``), one pipeline of ``pp`` ranks (dp = cp = 1; gloo, spawned processes, one thread each) per
+(``make data-mm``), one pipeline of ``pp`` ranks (dp = cp = 1; gloo, local processes, one thread each) per
 ``--pp`` value. Every mode of ``--modes`` has its own runner (same weights); each step runs the modes one after
 another (in a rotating order) on the same micro-batches (a different global batch per step, so the media vary),
 after ``--warmup`` untimed steps. Give it an idle machine with at least ``max(pp)`` cores: ranks competing for a
@@ -32,27 +32,26 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
-from datetime import timedelta
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from k3train.config import load_config  # noqa: E402
+from k3train.data import GlobalBatchLoader  # noqa: E402
+from k3train.runtime.local_workers import run_ranks  # noqa: E402
+from parallel.dims import ParallelDims  # noqa: E402
+from parallel.pipeline import LossNorm, build_step_runner  # noqa: E402
 from parallel.pipeline.schedules import Action, build_schedule, place_encoder, simulate  # noqa: E402
 
 MODES = ("bubbles", "before", "inline")
 
 
 def _cfg(pp: int, mode: str, overrides: list[str]):
-    from k3train.config import load_config
-
     return load_config(ROOT / "configs" / "tiny-vl.yaml",
                        [f"--parallel.pp={pp}", "--parallel.dp=1", "--train.device=cpu", *overrides,
                         f"--parallel.encoder_schedule={mode}"], world_size=pp)
@@ -77,15 +76,10 @@ def predicted_fraction(runner, batches, mode: str) -> float:
     return (with_enc - simulate(base, pp, vpp, f, b).makespan) / total if total else 0.0
 
 
-def _rank_main(rank: int, world: int, port: int, modes: list[str], overrides: list[str], steps: int,
-               warmup: int, q) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=1800))
-    from k3train.data import GlobalBatchLoader
-    from parallel.dims import ParallelDims
-    from parallel.pipeline import LossNorm, build_step_runner
-
+def _rank_main(rank: int, world: int, modes: list[str], overrides: list[str], steps: int,
+               warmup: int) -> tuple | None:
+    """One gloo rank: every mode's step records (gathered from all ranks) returned by rank 0, with the partition's
+    vpp, the micro-batch count and the schedule."""
     cfgs = {m: _cfg(world, m, overrides) for m in modes}
     cfg = cfgs[modes[0]]
     dims = ParallelDims.from_config(cfg.parallel, world, rank).build_groups()
@@ -112,10 +106,8 @@ def _rank_main(rank: int, world: int, port: int, modes: list[str], overrides: li
             dist.all_gather_object(gathered, per_mode)
             records.append(gathered)
     if rank == 0:
-        vpp = runners[modes[0]].partition.vpp
-        q.put((records, vpp, cfg.train.grad_accum_steps, runners[modes[0]].schedule))
-    dist.barrier()
-    dist.destroy_process_group()
+        return records, runners[modes[0]].partition.vpp, cfg.train.grad_accum_steps, runners[modes[0]].schedule
+    return None
 
 
 def summarise(pp: int, records: list, vpp: int, M: int, schedule: str, modes: list[str]) -> None:
@@ -171,18 +163,8 @@ def main() -> None:
         sys.exit("the shipped multimodal corpus is missing: run `make data-mm` (or pass --data.path=...)")
     for pp in (int(x) for x in args.pp.split(",")):
         _cfg(pp, modes[0], overrides)  # a bad override fails here, before any process starts
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        ctx = mp.get_context("spawn")
-        q = ctx.Queue()
-        procs = [ctx.Process(target=_rank_main, args=(r, pp, port, modes, overrides, args.steps, args.warmup, q))
-                 for r in range(pp)]
-        for p in procs:
-            p.start()
-        records, vpp, M, schedule = q.get(timeout=7200)
-        for p in procs:
-            p.join()
+        records, vpp, M, schedule = run_ranks(_rank_main, pp, modes, overrides, args.steps, args.warmup,
+                                              timeout=7200)[0]
         summarise(pp, records, vpp, M, schedule, modes)
 
 

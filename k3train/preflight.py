@@ -145,6 +145,11 @@ def check_data(cfg: Config) -> None:
 
         check_multimodal_data(cfg, tok, splits_read(cfg))
         return
+    if cfg.data.format == "chat":  # tokens + the assistant-only loss mask beside them
+        from k3train.data.chat.validate import check_chat_data  # noqa: PLC0415  # lazy: as the imports above
+
+        check_chat_data(cfg, tok, splits_read(cfg))
+        return
     try:  # ids in the data beyond the TOKENIZER's vocabulary: the data was made with another tokenizer
         info = validate_indexed_dataset(cfg.data.path, vocab_size=tok.vocab_size)
     except DataError as e:  # the message names the file; name the key too

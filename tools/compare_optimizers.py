@@ -17,6 +17,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from k3train.preflight import validate_run  # noqa: E402
+from k3train.runtime.bad_input import is_bad_input, report_bad_input  # noqa: E402
 
 
 def overrides(name: str, args: argparse.Namespace, out: Path) -> list[str]:
@@ -33,6 +37,7 @@ def run(name: str, args: argparse.Namespace, out: Path) -> list[dict]:
         cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone", f"--nproc_per_node={args.nproc}", *train]
     else:
         cmd = [sys.executable, *train]
+    # lazy: torch (k3train.runtime.process_groups imports it) is not loaded for --help or a bad config
     from k3train.runtime.process_groups import child_pythonpath  # noqa: PLC0415
     env = dict(os.environ, WANDB_MODE="disabled", PYTHONPATH=child_pythonpath(ROOT))
     print(f"[{name}] {' '.join(cmd)}", flush=True)
@@ -49,17 +54,13 @@ def main() -> None:
     ap.add_argument("--out", default="runs/compare_optimizers")
     args, args.overrides = ap.parse_known_args()  # the rest: --section.key=value overrides (checked below)
     out = Path(args.out)
-    sys.path.insert(0, str(ROOT))
-    from k3train.preflight import is_bad_input, validate_run  # noqa: PLC0415
-
     for name in ("muon", "adamw"):  # both runs' configs, checked before either starts (each run checks again)
         try:
             validate_run(args.config, overrides(name, args, out), world_size=args.nproc)
         except Exception as e:
             if not is_bad_input(e):
                 raise
-            print(f"k3train: error: {e}", file=sys.stderr)
-            sys.exit(2)
+            sys.exit(report_bad_input(e))
     res = {name: run(name, args, out) for name in ("muon", "adamw")}
     marks = sorted({1, max(1, args.steps // 4), max(1, args.steps // 2), args.steps})
     print(f"\nloss by step ({args.config}, {args.steps} steps, identical global batches)")

@@ -20,10 +20,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from k3train.preflight import is_bad_input, validate_run  # noqa: E402
 from k3train.model import K3Model, param_breakdown  # noqa: E402
 from k3train.model.flops import model_flops_per_token, vision_flops, vision_flops_detail  # noqa: E402
 from k3train.model.media import merged_tokens, patch_grid  # noqa: E402
+from k3train.preflight import validate_run  # noqa: E402
+from k3train.runtime.bad_input import is_bad_input, report_bad_input  # noqa: E402
 
 IMAGE_SIDES_PX = (448, 1792, 3584)  # seed 000's token table
 
@@ -64,8 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         if not is_bad_input(e):
             raise
-        print(f"k3train: error: {e}", file=sys.stderr)
-        return 2
+        return report_bad_input(e)
     if args.json:
         print(json.dumps(res))
         return 0

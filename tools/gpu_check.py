@@ -26,6 +26,8 @@ and the list of what one GPU cannot check. On a machine without CUDA it prints o
 from __future__ import annotations
 
 import argparse
+import importlib.metadata as md
+import importlib.util
 import json
 import os
 import platform
@@ -39,9 +41,17 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "gpu"))
+
+from gpu_cases import (experts_compare, kda_compare, kda_first_call, kda_speed, mla_compare,  # noqa: E402
+                       mla_speed, small_corpus)
+from k3train.model.kernels import Installed, Target, choose_kernels, describe_kernels  # noqa: E402
+from k3train.preflight import validate_run  # noqa: E402
+from k3train.trainer import Trainer  # noqa: E402
 
 # seconds per section (its process, start-up included; first calls compile: fla's Triton autotuning, FlexAttention
 # through torch.compile -- on-disk caches, autotuning results included (TRITON_CACHE_AUTOTUNING), make later
@@ -84,14 +94,8 @@ def _add(out: dict[str, Any], key: str, fn: Callable[..., dict[str, Any]], *args
 
 
 def section_kda() -> dict[str, Any]:
-    import importlib.util
-
-    import torch
-
     if importlib.util.find_spec("fla") is None:
         return {"skipped": "flash-linear-attention is not installed (pip install k3train[gpu])"}
-    from gpu_cases import kda_compare, kda_first_call, kda_speed
-
     # each case saved as it finishes. The first H200 run (torch 2.11, triton 3.6, fla 0.6.0) never finished fla's
     # first bf16 call in 130 s (nor did the fla training steps or test), so its cost comes first, timed alone
     # beside the torch op's: the first call compiles and autotunes every fla kernel
@@ -107,10 +111,6 @@ def section_kda() -> dict[str, Any]:
 
 
 def section_mla() -> dict[str, Any]:
-    import torch
-
-    from gpu_cases import mla_compare, mla_speed
-
     out: dict[str, Any] = {"compare": [], "speed": []}
     for dt in (torch.bfloat16, torch.float32):
         _add(out, "compare", mla_compare, dt, T=2048, H=8)
@@ -121,25 +121,15 @@ def section_mla() -> dict[str, Any]:
 
 
 def section_experts() -> dict[str, Any]:
-    import torch
-
     if torch.cuda.get_device_capability() < (9, 0):
         return {"skipped": f"torch._grouped_mm's CUDA kernel needs sm90+, this GPU is sm"
                            f"{''.join(map(str, torch.cuda.get_device_capability()))}"}
-    from gpu_cases import experts_compare
-
     return experts_compare(E=16, N=4096, l_dim=256, f_dim=512)
 
 
 def _train_steps(config: str, device: str, dtype: str, steps: int, data: str, out_dir: str,
                  extra: tuple[str, ...] = ()) -> dict[str, Any]:
     """``steps`` optimizer steps of ``config`` through the real Trainer in this process (``extra``: overrides)."""
-    import torch
-
-    from k3train.model.kernels import describe_kernels
-    from k3train.preflight import validate_run
-    from k3train.trainer import Trainer
-
     overrides = [f"--train.device={device}", f"--train.dtype={dtype}", f"--train.steps={steps}",
                  f"--train.out_dir={out_dir}", f"--data.path={data}", "--data.split=100,0,0", "--logging.wandb=false",
                  "--train.eval_interval=0", "--checkpoint.resume=none", *extra]
@@ -163,8 +153,6 @@ def _train_steps(config: str, device: str, dtype: str, steps: int, data: str, ou
 
 
 def section_train() -> dict[str, Any]:
-    from gpu_cases import small_corpus
-
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="k3_gpu_check_") as tmp:
         data = small_corpus(os.path.join(tmp, "data"))
@@ -195,8 +183,6 @@ def section_train() -> dict[str, Any]:
 
 
 def section_memory(timeout_s: float) -> dict[str, Any]:
-    from gpu_cases import small_corpus
-
     with tempfile.TemporaryDirectory(prefix="k3_gpu_check_mem_") as tmp:
         data = small_corpus(os.path.join(tmp, "data"))
         cmd = [sys.executable, str(ROOT / "tools/memory.py"), "--config", str(ROOT / "configs/small.yaml"),
@@ -252,10 +238,6 @@ TAKES_TIMEOUT = ("memory", "tests")
 # Driver
 # ----------------------------------------------------------------------------------------------------------------
 def _versions() -> dict[str, Any]:
-    import importlib.metadata as md
-
-    import torch
-
     out = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
     for pkg in ("flash-linear-attention", "triton"):
         try:
@@ -306,8 +288,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--section-timeout", type=float, default=0.0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
-    import torch
-
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device here (torch.cuda.is_available() is False); nothing to check, no report "
               "written")
@@ -338,8 +318,6 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_cores": os.cpu_count(), "versions": _versions(), "sections": {},
         "not_checkable_on_one_gpu": NOT_CHECKABLE_ON_ONE_GPU,
     }
-    from k3train.model.kernels import Installed, Target, choose_kernels, describe_kernels
-
     cap = tuple(torch.cuda.get_device_capability(0))
     report["kernels_bf16"] = describe_kernels(choose_kernels({}, Target("cuda", "bfloat16", cap), Installed.probe()))
     only = [s for s in args.only.split(",") if s] or list(SECTIONS)

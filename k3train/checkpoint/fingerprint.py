@@ -15,7 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from k3train.config import Config, ModelConfig
-from k3train.data.tokenizer import file_sha256
+from k3train.data.tokenizer import tokenizer_sha256
 from k3train.optim.schedule import lr_at
 
 # model fields with no effect on the maths of a run (activation recomputation and chunking only trade memory; the
@@ -34,7 +34,9 @@ def run_fingerprint(cfg: Config) -> dict[str, Any]:
     out["data.path"] = str(Path(cfg.data.path).resolve())
     out["data.split"] = cfg.data.split
     tok = Path(cfg.data.tokenizer)
-    out["data.tokenizer_sha256"] = file_sha256(tok) if tok.is_file() else ""
+    out["data.tokenizer_sha256"] = tokenizer_sha256(tok)
+    if cfg.data.format == "chat":  # which conversations rows hold (absent otherwise: older checkpoints compare)
+        out["data.chat_overlong"] = cfg.data.chat_overlong
     out["train.seed"] = cfg.train.seed
     out["train.seq_len"] = cfg.train.seq_len
     out["train.global_batch_size"] = cfg.train.global_batch_size

@@ -39,8 +39,13 @@ class DataConfig:
     pad_token: str = "<|pad|>"
     media_placeholder_token: str = ""  # "" = no vision placeholder (then model.media_placeholder_token_id = -1)
     # "text": data.path is a text dataset (Megatron GPTDataset); "multimodal": data.path was made by
-    # tools/prepare_data.py --multimodal (tokens + media store) and batches carry Batch.media (k3train/data/multimodal)
+    # tools/prepare_data.py --multimodal (tokens + media store) and batches carry Batch.media (k3train/data/multimodal);
+    # "chat": data.path was made by `k3train prepare-data --chat` (tokens + assistant-only loss mask): whole
+    # conversations packed into rows, the loss on the assistant's tokens only (k3train/data/chat)
     format: str = "text"
+    # chat: a conversation longer than train.seq_len + 1 tokens is dropped, or truncated to its first seq_len + 1
+    # tokens ("truncate"); the counts are logged per split
+    chat_overlong: str = "drop"
     max_media_pixels: int = 3584 * 3584  # multimodal: largest image / frame (height * width px) a run accepts
 
 
@@ -53,7 +58,10 @@ def check_data(cfg: Config) -> None:
          f"data.bos_token / eos_token / pad_token must be three different non-empty tokens, got {names}",
          "data.bos_token", "data.eos_token", "data.pad_token")
     parse_split(d.split, f" ({cfg.origin('data.split')})")
-    need(d.format in ("text", "multimodal"), "data.format", f"must be 'text' or 'multimodal', got {d.format!r}")
+    need(d.format in ("text", "multimodal", "chat"), "data.format",
+         f"must be 'text', 'multimodal' or 'chat', got {d.format!r}")
+    need(d.chat_overlong in ("drop", "truncate"), "data.chat_overlong",
+         f"must be 'drop' or 'truncate', got {d.chat_overlong!r}")
     need(d.max_media_pixels >= 28 * 28, "data.max_media_pixels",
          f"must be >= {28 * 28} (one 28 x 28 px unit), got {d.max_media_pixels}")
     if d.format == "multimodal":

@@ -37,7 +37,7 @@ class ParallelConfig:
     # the unit recomputed at once in a backward: "chunk" (a whole virtual stage: only its input is kept, all its
     # layers' activations live together in its backward) | "layer" (each layer's input kept) | "sublayer" (the
     # input of each token mixer and FFN kept; the mixers' head chunks and the MoE token chunks recomputed one at a
-    # time: what a 64K-token CP slice of K3 needs, README "Long context")
+    # time: what a 64K-token CP slice of K3 needs, docs/long-context.md)
     recompute_granularity: str = "chunk"
     # context parallel: MLA queries balanced over the CP ranks by half-segment swaps between rank pairs (kcp/mla_cp.py;
     # false: every rank attends its own segment's queries, the last rank doing cp - 1/2 of a mean cp/2)

@@ -44,7 +44,7 @@ class Document:
     source: str
 
 
-def _open_text(path: Path) -> io.TextIOBase:
+def open_text(path: Path) -> io.TextIOBase:
     if path.name.endswith(".gz"):
         return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
     return open(path, encoding="utf-8")
@@ -73,7 +73,7 @@ def read_documents(path: str | Path, json_key: str = "text", skip_empty: bool = 
 
 
 def _read_jsonl(p: Path, key: str, skip_empty: bool) -> Iterator[Document]:
-    with _open_text(p) as f:
+    with open_text(p) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -103,7 +103,7 @@ def _read_txt(p: Path, skip_empty: bool) -> Iterator[Document]:
                             " or the end of the file)")
         yield Document(text, f"{p}:{start}")
 
-    with _open_text(p) as f:
+    with open_text(p) as f:
         lines: list[str] = []
         start = 1
         for lineno, line in enumerate(f, 1):

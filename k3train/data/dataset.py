@@ -82,6 +82,9 @@ def _mcore() -> Iterator[None]:
         yield
 
 
+mcore_quiet = _mcore  # the public name (other data modules import megatron through it)
+
+
 def idx_path(prefix: str | Path) -> Path:
     return Path(str(prefix) + ".idx")
 
@@ -205,10 +208,13 @@ def check_split_sizes(info: IndexInfo, split: str, seq_len: int, names: Iterable
 # Writing
 # --------------------------------------------------------------------------------------------------------------
 def write_indexed_dataset(prefix: str | Path, documents: Iterable[list[int] | np.ndarray], eos_id: int,
-                          vocab_size: int, meta: dict[str, Any] | None = None) -> IndexInfo:
+                          vocab_size: int, meta: dict[str, Any] | None = None,
+                          extra_files: tuple[str, str] | None = None) -> IndexInfo:
     """Write ``PREFIX.bin/.idx`` (+ ``PREFIX.meta.json``) with Megatron's ``IndexedDatasetBuilder``: one
     sequence per document, ``eos_id`` appended to every document. Files are written under temporary names
-    and renamed at the end, so a reader never sees a half-written dataset. Returns the validated index."""
+    and renamed at the end, so a reader never sees a half-written dataset. ``extra_files=(TMP, FINAL)``: a companion
+    dataset written under prefix TMP while ``documents`` ran (e.g. the chat loss mask) is renamed to FINAL with them.
+    Returns the validated index."""
     with _mcore():
         # lazy: megatron-core takes seconds to import; only where an indexed dataset is read or built
         from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
@@ -233,6 +239,9 @@ def write_indexed_dataset(prefix: str | Path, documents: Iterable[list[int] | np
         info_meta = {"format": "megatron-indexed", "documents": n_docs, "tokens": n_tokens,
                      "eos_id": eos_id, "vocab_size": vocab_size, "dtype": np.dtype(dtype).name, **(meta or {})}
         meta_path(tmp).write_text(json.dumps(info_meta, indent=1) + "\n")
+        if extra_files is not None:
+            for fn in (bin_path, idx_path):
+                os.replace(fn(extra_files[0]), fn(extra_files[1]))
         for fn in (bin_path, idx_path, meta_path):
             os.replace(fn(tmp), fn(prefix))
     finally:

@@ -24,7 +24,8 @@ The number of train samples requested from Megatron is ``train.steps * GBS``; th
 independent of ``train.steps`` (Megatron's shuffles only depend on the seed and on the number of epochs), so
 resuming with a larger ``train.steps`` continues the same order as long as the run stays within one epoch.
 
-``data.format: multimodal`` reads :class:`k3train.data.multimodal.dataset.MultimodalDataset` instead (rows of
+``data.format: chat`` reads :class:`k3train.data.chat.dataset.ChatDataset` (whole conversations, the loss on the
+assistant's tokens); ``data.format: multimodal`` reads :class:`k3train.data.multimodal.dataset.MultimodalDataset` instead (rows of
 whole documents whose media spans are never cut; every micro-batch carries ``Batch.media``); indices, dp/cp
 split and resume state are the same.
 """
@@ -37,6 +38,7 @@ import numpy as np
 import torch
 
 from k3train.data.batch import Batch
+from k3train.data.chat.dataset import build_chat_dataset
 from k3train.data.corpus import DataError
 from k3train.data.dataset import build_gpt_datasets, sample_tokens
 from k3train.data.multimodal.dataset import build_multimodal_dataset
@@ -92,9 +94,13 @@ class GlobalBatchLoader:
         num_samples = {"train": max(1, int(t.steps)) * self.gbs, "valid": None, "test": None}
         # data.format=multimodal: whole-document rows with their media (k3train/data/multimodal/dataset.py; built
         # the same way on every rank, no collective)
-        self.multimodal = getattr(cfg.data, "format", "text") == "multimodal"
+        fmt = getattr(cfg.data, "format", "text")
+        self.multimodal = fmt == "multimodal"
+        self.packed = fmt in ("multimodal", "chat")  # a dataset of whole-document rows with its own .batch()
         if self.multimodal:
             self.dataset = build_multimodal_dataset(cfg, self.tokenizer, split, num_samples[split])
+        elif fmt == "chat":  # whole conversations, the loss on the assistant's tokens (k3train/data/chat/dataset.py)
+            self.dataset = build_chat_dataset(cfg, self.tokenizer, split, num_samples[split])
         else:
             # build only the split this loader reads: an unread split, however small, must not fail the run
             datasets = build_gpt_datasets(self.data_path, self.tokenizer, self.seq_len, self.seed, cfg.data.split,
@@ -131,7 +137,7 @@ class GlobalBatchLoader:
         return idx
 
     def _rows(self, indices: np.ndarray) -> Batch:
-        if self.multimodal:
+        if self.packed:
             return self.dataset.batch(indices)
         samples = torch.from_numpy(np.stack([sample_tokens(self.dataset, i) for i in indices]))
         return Batch.from_samples(samples, self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id)

@@ -11,51 +11,33 @@ and, for a vision tokenizer, ``data.media_placeholder_token``. :class:`SpecialTo
 """
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from k3train.data.corpus import ASSETS_DIR, DataError
+import numpy as np
 
-BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
-SPECIAL_TOKENS = (BOS, EOS, PAD)
+from k3train.data.corpus import ASSETS_DIR, DataError
+from k3train.data.tiktoken_tokenizer import RANKS_NAME, TiktokenTokenizer, is_tiktoken_file, tiktoken_sha256
+from k3train.data.tokenizer_config import TokenizerConfig, read_tokenizer_config
+from k3train.data.special_tokens import BOS, EOS, PAD, SPECIAL_TOKENS, SpecialTokens, file_sha256  # noqa: F401 (re-exported)
+
 DEFAULT_TOKENIZER = ASSETS_DIR / "tokenizer.json"
 DEFAULT_VOCAB_SIZE = 4096
 
 
-@dataclass(frozen=True)
-class SpecialTokens:
-    """The literal names of the special tokens in a tokenizer (``data.*_token`` in the config); ``media``
-    (a vision placeholder) is optional: "" = the tokenizer has none."""
-    bos: str = BOS
-    eos: str = EOS
-    pad: str = PAD
-    media: str = ""
-
-    @classmethod
-    def from_config(cls, data_cfg: Any) -> "SpecialTokens":
-        """From a config's ``data`` section (defaults for an object without the fields)."""
-        d = cls()
-        return cls(*(getattr(data_cfg, f"{k}_token", getattr(d, k)) for k in ("bos", "eos", "pad")),
-                   getattr(data_cfg, "media_placeholder_token", d.media))
-
-    def named(self) -> list[tuple[str, str]]:
-        """``[(config key, token name)]`` of the tokens that must exist."""
-        out = [("data.bos_token", self.bos), ("data.eos_token", self.eos), ("data.pad_token", self.pad)]
-        return out + ([("data.media_placeholder_token", self.media)] if self.media else [])
-
-
 class TextTokenizer:
-    """Thin wrapper over a ``tokenizers.Tokenizer`` with the special tokens the pipeline needs.
+    """A ``tokenizer.json`` tokenizer (the other kind: :class:`k3train.data.tiktoken_tokenizer.TiktokenTokenizer`,
+    the same interface). Thin wrapper over a ``tokenizers.Tokenizer`` with the special tokens the pipeline needs.
 
     Attributes: ``vocab_size`` (int, including special tokens), ``bos_id``, ``eos_id``, ``pad_id``, ``media_id``
     (None without a media placeholder), ``path`` and ``sha256`` (of the JSON file, used to tie a prepared dataset
     to its tokenizer).
     """
+
+    kind = "tokenizer.json"
 
     def __init__(self, tok: Tokenizer, path: str = "<memory>", sha256: str = "",
                  special: SpecialTokens | None = None) -> None:
@@ -74,6 +56,12 @@ class TextTokenizer:
         self.media_id: int | None = ids.get("data.media_placeholder_token")
         self.vocab_size: int = tok.get_vocab_size(with_added_tokens=True)
         self.special_ids = frozenset(ids.values())
+        self.all_special_ids = frozenset(i for i, t in tok.get_added_tokens_decoder().items() if t.special)
+        # a tokenizer_config.json beside the file: the chat template and the token names it sees
+        tc = read_tokenizer_config(path) if path != "<memory>" else TokenizerConfig()
+        self.chat_template = tc.chat_template
+        self.template_tokens = {"bos_token": self.special.bos, "eos_token": self.special.eos,
+                                "pad_token": self.special.pad, **tc.named_tokens}
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (no special tokens added)."""
@@ -83,26 +71,32 @@ class TextTokenizer:
         """Token ids of many texts at once (parallel in Rust)."""
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
+    def encode_offsets(self, text: str) -> tuple[list[int], np.ndarray]:
+        """``(ids, spans)``: spans ``[n, 2]`` of each token's characters in ``text``."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        return enc.ids, np.array(enc.offsets, dtype=np.int64).reshape(-1, 2)
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, name: str) -> int | None:
+        return self._tok.token_to_id(name)
 
     def __repr__(self) -> str:
         return (f"TextTokenizer(path={self.path!r}, vocab_size={self.vocab_size}, bos={self.bos_id}, "
                 f"eos={self.eos_id}, pad={self.pad_id})")
 
 
-def file_sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def load_tokenizer(path: str | Path = DEFAULT_TOKENIZER, special: SpecialTokens | None = None) -> TextTokenizer:
-    """Load a ``tokenizer.json`` whose special tokens are named ``special`` (default: the shipped names).
-    Raises :class:`DataError` naming the file when missing or malformed, or the key of a missing token."""
-    p = Path(path)
+def load_tokenizer(path: str | Path = DEFAULT_TOKENIZER, special: SpecialTokens | None = None
+                   ) -> TextTokenizer | TiktokenTokenizer:
+    """Load a tokenizer whose special tokens are named ``special`` (default: the shipped names): a
+    ``tokenizer.json``, or a tiktoken ranks file (``tiktoken.model``, with the ``tokenizer_config.json`` beside it;
+    :mod:`k3train.data.tiktoken_tokenizer`). A directory means the ``tokenizer.json`` in it, else its
+    ``tiktoken.model``. Raises :class:`DataError` naming the file when missing or malformed, or the key of a
+    missing token."""
+    p = resolve_tokenizer_path(path)
+    if is_tiktoken_file(p):
+        return TiktokenTokenizer(p, special)
     if not p.is_file():
         raise DataError(f"tokenizer file not found: {p} (train one with tools/prepare_data.py --train-tokenizer)")
     try:
@@ -112,7 +106,31 @@ def load_tokenizer(path: str | Path = DEFAULT_TOKENIZER, special: SpecialTokens 
     return TextTokenizer(tok, str(p), file_sha256(p), special)
 
 
-def load_config_tokenizer(cfg: Any) -> TextTokenizer:
+def resolve_tokenizer_path(path: str | Path) -> Path:
+    """The tokenizer file ``path`` names (a directory: its ``tokenizer.json``, else its ``tiktoken.model``)."""
+    p = Path(path)
+    if p.is_dir():
+        for name in ("tokenizer.json", RANKS_NAME):
+            if (p / name).is_file():
+                return p / name
+    return p
+
+
+def tokenizer_sha256(path: str | Path) -> str:
+    """The hash a run fingerprint records for ``data.tokenizer``: the file's sha256 (a tiktoken ranks file: with the
+    pattern and special tokens of its tokenizer_config.json, as :attr:`TiktokenTokenizer.sha256`); "" when missing."""
+    p = resolve_tokenizer_path(path)
+    if not p.is_file():
+        return ""
+    if is_tiktoken_file(p):
+        try:
+            return tiktoken_sha256(p)
+        except DataError:
+            return file_sha256(p)
+    return file_sha256(p)
+
+
+def load_config_tokenizer(cfg: Any) -> TextTokenizer | TiktokenTokenizer:
     """The tokenizer a run config names: ``data.tokenizer`` with the ``data.*_token`` names."""
     return load_tokenizer(cfg.data.tokenizer, SpecialTokens.from_config(cfg.data))
 

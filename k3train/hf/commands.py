@@ -28,6 +28,9 @@ import torch.distributed as dist
 import yaml
 
 from k3train.config import ConfigError, load_config
+from k3train.data.corpus import DataError
+from k3train.data.tiktoken_tokenizer import RANKS_NAME
+from k3train.data.tokenizer_config import read_tokenizer_config
 from k3train.hf.config_map import read_config_json, sections_from_config_json, text_config_from_model
 from k3train.hf.export import check_output_dir, write_hf_shards
 from k3train.hf.load import check_hf_checkpoint
@@ -41,6 +44,22 @@ from parallel.dims import ParallelDims
 # ------------------------------------------------------------------------------------------------------------------
 # import-hf
 # ------------------------------------------------------------------------------------------------------------------
+def tokenizer_section(hf_dir: Path) -> dict[str, Any]:
+    """``data`` values for the checkpoint's own tokenizer: ``data.tokenizer`` at its ``tokenizer.json``, else at its
+    tiktoken ranks file ``tiktoken.model`` (k3train/data/tiktoken_tokenizer.py), and the special-token names its
+    ``tokenizer_config.json`` gives (``data.bos_token`` / ``eos_token`` / ``pad_token``)."""
+    for name in ("tokenizer.json", RANKS_NAME):
+        if (hf_dir / name).is_file():
+            out: dict[str, Any] = {"tokenizer": str(hf_dir / name)}
+            try:
+                named = read_tokenizer_config(hf_dir / name).named_tokens
+            except DataError as e:
+                raise ConfigError(f"import-hf: {e}") from None
+            out.update({key: named[key] for key in ("bos_token", "eos_token", "pad_token") if key in named})
+            return out
+    return {}
+
+
 def import_config_text(hf_dir: Path) -> str:
     """The run config ``import-hf`` writes (YAML text) for checkpoint ``hf_dir``."""
     cj = read_config_json(hf_dir, "import-hf")
@@ -51,8 +70,9 @@ def import_config_text(hf_dir: Path) -> str:
     if vision:
         doc["vision"] = vision
     doc["checkpoint"] = {"load_hf": str(hf_dir)}
-    if (hf_dir / "tokenizer.json").is_file():
-        doc["data"] = {"tokenizer": str(hf_dir / "tokenizer.json")}
+    data = tokenizer_section(hf_dir)
+    if data:
+        doc["data"] = data
     head = (f"# k3train run config written by `k3train import-hf {hf_dir}` from its config.json ({fmt}).\n"
             f"# model / vision: the checkpoint's (a run must keep them); checkpoint.load_hf: a fresh run starts from\n"
             f"# its weights in any parallel layout. Set data.path (prepared with the checkpoint's tokenizer),\n"

@@ -80,16 +80,52 @@ def _full_attn_interval(full: list[int], kda: list[int], L: int, where: str) -> 
                       f"(full attention at every N-th layer and at the last)")
 
 
+LAYER_KINDS = {"linear_attention": "kda_layers", "full_attention": "full_attn_layers"}
+
+
+def linear_attn_config_of(tc: dict[str, Any], L: int, where: str) -> dict[str, Any]:
+    """The published ``linear_attn_config`` (1-based ``kda_layers`` / ``full_attn_layers``, ``head_dim``,
+    ``num_heads``, ``short_conv_kernel_size``), also from the form transformers' ``KimiLinearConfig`` writes
+    (``layer_types`` of ``linear_attention`` / ``full_attention``, ``linear_head_dim``, ``linear_num_heads``,
+    ``linear_conv_kernel_dim``); where both are given, ``linear_attn_config`` wins (as transformers reads it)."""
+    lac = dict(tc.get("linear_attn_config") or {})
+    kinds = tc.get("layer_types")
+    if (lac.get("kda_layers") is None or lac.get("full_attn_layers") is None) and kinds is not None:
+        if not (isinstance(kinds, list) and len(kinds) == L and all(k in LAYER_KINDS for k in kinds)):
+            raise ConfigError(f"{where}: layer_types: must list {L} entries of 'linear_attention' / 'full_attention'"
+                              f", got {kinds!r}")
+        for kind, key in LAYER_KINDS.items():
+            lac[key] = [i + 1 for i, k in enumerate(kinds) if k == kind]
+    for key, native in (("head_dim", "linear_head_dim"), ("num_heads", "linear_num_heads"),
+                        ("short_conv_kernel_size", "linear_conv_kernel_dim")):
+        if lac.get(key) is None and tc.get(native) is not None:
+            lac[key] = tc[native]
+    return lac
+
+
+def first_k_dense_of(tc: dict[str, Any], L: int, where: str) -> int:
+    """``first_k_dense_replace``, or the dense prefix of transformers' ``mlp_layer_types`` (``dense`` then
+    ``sparse``; any other order is not a k3train layer plan)."""
+    kinds = tc.get("mlp_layer_types")
+    if tc.get("first_k_dense_replace") is not None or kinds is None:
+        return int(tc.get("first_k_dense_replace", 0))
+    k = next((i for i, t in enumerate(kinds) if t != "dense"), len(kinds)) if isinstance(kinds, list) else -1
+    if k < 0 or len(kinds) != L or any(t != "sparse" for t in kinds[k:]):
+        raise ConfigError(f"{where}: mlp_layer_types: k3train's layer plan is dense layers first, then MoE layers "
+                          f"('dense' ... 'sparse' ..., {L} entries), got {kinds!r}")
+    return k
+
+
 def model_from_text_config(tc: dict[str, Any], fmt: str, where: str) -> dict[str, Any]:
     """k3train ``model`` section values from a HF text config (a dict). Raises ConfigError naming the field."""
     def need(cond: bool, field: str, msg: str) -> None:
         if not cond:
             raise ConfigError(f"{where}: {field}: {msg}")
 
-    lac = tc.get("linear_attn_config") or {}
+    L = int(tc["num_hidden_layers"])
+    lac = linear_attn_config_of(tc, L, where)
     need(isinstance(lac, dict) and lac.get("kda_layers") is not None and lac.get("full_attn_layers") is not None,
          "linear_attn_config", "needs kda_layers and full_attn_layers (the KDA / MLA layer plan)")
-    L = int(tc["num_hidden_layers"])
     H = int(tc["num_attention_heads"])
     need(int(_get(tc, "num_key_value_heads", default=H)) == H, "num_key_value_heads",
          "MLA has one key/value head per query head (num_key_value_heads = num_attention_heads)")
@@ -116,7 +152,7 @@ def model_from_text_config(tc: dict[str, Any], fmt: str, where: str) -> dict[str
         "use_full_rank_gate": bool(lac.get("use_full_rank_gate", False)),
         "full_attn_interval": _full_attn_interval(list(lac["full_attn_layers"]), list(lac["kda_layers"]), L, where),
         "intermediate_size": int(tc.get("intermediate_size", 0)),
-        "first_k_dense_replace": int(tc.get("first_k_dense_replace", 0)),
+        "first_k_dense_replace": first_k_dense_of(tc, L, where),
         "hidden_act": hidden_act,
         "num_experts": num_experts,
         "num_experts_per_token": int(_get(tc, "num_experts_per_token", "num_experts_per_tok", default=1)),
@@ -133,9 +169,17 @@ def model_from_text_config(tc: dict[str, Any], fmt: str, where: str) -> dict[str
     }
     n_shared = int(_get(tc, "num_shared_experts", "n_shared_experts", default=0))
     # the published shared-expert MLP is ONE SwiGLU/SiTU-GLU of width moe_intermediate_size * num_shared_experts:
-    # k3train holds it as num_shared_experts FFNs of width moe_intermediate_size (k3train/hf/names.py splits it)
+    # k3train holds it as num_shared_experts FFNs of width moe_intermediate_size (k3train/hf/names.py splits it), or
+    # -- when k3train wrote the checkpoint and recorded its own split (shared_expert_intermediate_size, a field
+    # transformers keeps and ignores) -- as that many FFNs of that width: the same tensors, the run's own shapes
     m["num_shared_experts"] = n_shared
     m["shared_expert_intermediate_size"] = m["moe_intermediate_size"]
+    width, own = n_shared * m["moe_intermediate_size"], tc.get("shared_expert_intermediate_size")
+    if own is not None and n_shared:
+        need(isinstance(own, int) and own > 0 and width % own == 0, "shared_expert_intermediate_size",
+             f"{own!r} does not divide the published shared-expert width {width} (moe_intermediate_size * "
+             "num_shared_experts)")
+        m["num_shared_experts"], m["shared_expert_intermediate_size"] = width // own, own
     if "gate_lower_bound" in lac and lac["gate_lower_bound"] is not None:
         m["kda_decay_form"], m["gate_lower_bound"] = "lower_bounded", float(lac["gate_lower_bound"])
     else:
@@ -222,10 +266,17 @@ def text_config_from_model(cfg: Config) -> dict[str, Any]:
     if m.kda_layers and m.kda_decay_rank != m.kda_head_dim:
         raise ConfigError(f"{where}: model.kda_decay_rank={m.kda_decay_rank}: the published KDA decay projection "
                           f"has rank kda_head_dim={m.kda_head_dim}")
-    if m.num_shared_experts and m.shared_expert_intermediate_size != m.moe_intermediate_size:
-        raise ConfigError(f"{where}: model.shared_expert_intermediate_size={m.shared_expert_intermediate_size}: the "
-                          f"published shared expert is one MLP of moe_intermediate_size * num_shared_experts, so "
-                          f"each must be moe_intermediate_size={m.moe_intermediate_size}")
+    # the published shared expert is ONE MLP of width moe_intermediate_size * num_shared_experts: k3train's
+    # num_shared_experts FFNs of width shared_expert_intermediate_size are its blocks (k3train/hf/names.py), so the
+    # published count is their total width over moe_intermediate_size; a split other than the published one is
+    # recorded in shared_expert_intermediate_size (read back by model_from_text_config)
+    width = m.num_shared_experts * m.shared_expert_intermediate_size
+    if m.num_shared_experts and (not m.moe_intermediate_size or width % m.moe_intermediate_size):
+        raise ConfigError(f"{where}: model.shared_expert_intermediate_size={m.shared_expert_intermediate_size} x "
+                          f"num_shared_experts={m.num_shared_experts}: the published shared expert is one MLP of "
+                          f"moe_intermediate_size * num_shared_experts, so the total width {width} must be a multiple "
+                          f"of moe_intermediate_size={m.moe_intermediate_size}")
+    published_shared = width // m.moe_intermediate_size if m.num_shared_experts else 0
     lac: dict[str, Any] = {"head_dim": m.kda_head_dim, "num_heads": m.kda_num_heads,
                            "short_conv_kernel_size": m.short_conv_kernel_size,
                            "kda_layers": list(m.kda_layers), "full_attn_layers": list(m.full_attn_layers)}
@@ -242,7 +293,7 @@ def text_config_from_model(cfg: Config) -> dict[str, Any]:
         "mla_use_output_gate": bool(m.mla_use_output_gate), "intermediate_size": m.intermediate_size,
         "first_k_dense_replace": m.first_k_dense_replace, "hidden_act": m.hidden_act, "moe_layer_freq": 1,
         "num_experts": m.num_experts, "num_experts_per_token": m.num_experts_per_token,
-        "num_shared_experts": m.num_shared_experts, "moe_intermediate_size": m.moe_intermediate_size,
+        "num_shared_experts": published_shared, "moe_intermediate_size": m.moe_intermediate_size,
         "moe_router_activation_func": "sigmoid", "moe_renormalize": bool(m.moe_renormalize),
         "routed_scaling_factor": m.routed_scaling_factor, "use_grouped_topk": m.num_expert_group > 1,
         "num_expert_group": m.num_expert_group, "topk_group": m.topk_group, "topk_method": "noaux_tc",
@@ -250,6 +301,8 @@ def text_config_from_model(cfg: Config) -> dict[str, Any]:
         "num_nextn_predict_layers": m.num_nextn_predict_layers, "linear_attn_config": lac,
         "bos_token_id": m.bos_token_id, "eos_token_id": m.eos_token_id, "pad_token_id": m.pad_token_id,
     }
+    if m.num_shared_experts and m.shared_expert_intermediate_size != m.moe_intermediate_size:
+        tc["shared_expert_intermediate_size"] = m.shared_expert_intermediate_size
     if fmt == "kimi_linear":
         tc["model_max_length"] = m.max_position_embeddings
     else:

@@ -15,7 +15,7 @@ from k3train.data.corpus import DataError
 from k3train.data.dataset import _file_lock, read_documents_back, split_document_ranges
 from k3train.data.loader import GlobalBatchLoader
 from data_helpers import copy_dataset, make_cfg
-from dist_helpers import free_port
+from dist_helpers import run_distributed
 
 FIELDS = ("tokens", "labels", "loss_mask", "doc_ids", "positions", "mtp_labels", "mtp_loss_mask")
 
@@ -177,40 +177,8 @@ def _dist_body(rank: int, world_size: int, prefix: str) -> None:
     assert len(list(cache.glob("*/*-GPTDataset-train-shuffle_index.npy"))) == 1
 
 
-def _forked_rank(rank: int, world_size: int, port: int, prefix: str, q) -> None:
-    import traceback
-    from datetime import timedelta
-
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=60))
-        _dist_body(rank, world_size, prefix)
-        dist.barrier()
-        q.put((rank, None))
-    except BaseException:  # noqa: BLE001 - report to the parent
-        q.put((rank, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def test_distributed_gloo_build(small_prefix, tmp_path):
-    # fork, not tests/dist_helpers' spawn: the ranks inherit the already imported megatron (its import takes
-    # seconds per process on a loaded machine); nothing here uses threads that fork could break.
+    # forked from this process, not from the fork server: the ranks inherit the already imported megatron (its
+    # import takes seconds per process on a loaded machine); nothing here uses threads that fork could break.
     p = copy_dataset(small_prefix, tmp_path / "dist")
-    ctx = torch.multiprocessing.get_context("fork")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_forked_rank, args=(r, 2, port, str(p), q)) for r in range(2)]
-    for pr in procs:
-        pr.start()
-    try:
-        results = dict(q.get(timeout=120) for _ in procs)
-    finally:
-        for pr in procs:
-            pr.join(timeout=30)
-            if pr.is_alive():
-                pr.kill()
-    errors = {r: e for r, e in results.items() if e}
-    assert not errors, errors[min(errors)]
+    run_distributed(_dist_body, 2, str(p), timeout=120, start_method="fork")

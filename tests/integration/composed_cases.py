@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import cycle
-from pathlib import Path
 
 import torch
 
-from k3train.config import Config, load_config
+from k3train.config import Config
+from k3train.config.presets import tiny_config
 from model_variants import VARIANTS
 from shipped_data import shipped_view
 from k3train.data.batch import Batch
@@ -23,7 +23,6 @@ from k3train.model.model import K3Model
 from parallel.pipeline.loss_norm import LossNorm
 from reference_step import single_process_step
 
-ROOT = Path(__file__).resolve().parents[2]
 WORLD = 4
 SEQ_LEN = 32
 GBS = 4
@@ -65,7 +64,7 @@ def make_cfg(layout: Layout | None = None, variant: str = "k3", seq_len: int = S
     overrides)."""
     over = (layout.overrides() if layout is not None
             else Layout("ref", variant=variant, seq_len=seq_len, gbs=gbs, extra=extra).overrides())
-    return load_config(ROOT / "configs" / "tiny.yaml", over, world_size=WORLD if layout is not None else 1)
+    return tiny_config(*over, world_size=WORLD if layout is not None else 1)
 
 
 def kjv_global_batch(seq_len: int = SEQ_LEN, rows: int = GBS) -> Batch:

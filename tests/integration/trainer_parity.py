@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from k3train.config import Config, load_config
+from k3train.config import Config
+from k3train.config.presets import tiny_config
 from shipped_data import shipped_view
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,7 +33,7 @@ def parity_cfg(out_dir: Path, steps: int, world: int, layout: list[str]) -> Conf
             f"--train.steps={steps}", "--train.device=cpu", "--train.dtype=float32", f"--train.out_dir={out_dir}",
             "--optim.warmup_steps=1", "--logging.wandb=false", "--logging.peak_flops=1e9",
             "--logging.level=WARNING", "--checkpoint.resume=none", "--checkpoint.interval=0", *layout]
-    return load_config(ROOT / "configs" / "tiny.yaml", over, world_size=world)
+    return tiny_config(*over, world_size=world)
 
 
 def snapshot(trainer: Any, rec: dict[str, Any]) -> dict[str, Any]:

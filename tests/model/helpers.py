@@ -1,18 +1,9 @@
-"""Shared helpers for the model tests: tiny configs and batches."""
+"""Shared helpers for the model tests: batches and gradient comparison (tiny configs: k3train/config/presets.py)."""
 from __future__ import annotations
 
 import torch
 
-from k3train.config import load_config
 from k3train.data.batch import Batch
-
-TINY = "configs/tiny.yaml"
-
-
-def tiny_cfg(*overrides: str):
-    """The validated tiny ModelConfig with ``--model.key=value`` overrides."""
-    return load_config(TINY, [f"--model.{o}" for o in overrides]).model
-
 
 def packed_batch(B: int, T: int, vocab: int, eos: int = 1, seed: int = 0, n_eos: int = 2) -> Batch:
     """Random tokens with a few EOS per row (so rows hold several documents)."""

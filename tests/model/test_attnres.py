@@ -2,10 +2,11 @@
 == full AttnRes (every layer's output its own source). Outputs and gradients, float64."""
 import torch
 
+from k3train.config.presets import tiny_model_config as tiny_cfg
 from k3train.model.attnres import AttnRes, AttnResState, attn_res_aggregate
 from k3train.model.model import K3Model
 from k3train.model.seq import SeqInfo
-from helpers import assert_grads_close, packed_batch, tiny_cfg
+from helpers import assert_grads_close, packed_batch
 
 torch.set_num_threads(1)
 

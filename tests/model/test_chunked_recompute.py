@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import packed_batch, tiny_cfg
+from helpers import packed_batch
 from model_variants import VARIANTS
 
+from k3train.config.presets import tiny_model_config as tiny_cfg
 from k3train.model.model import K3Model
 from k3train.model.seq import SeqInfo
 from k3train.planning.fakerun.live_bytes import LiveBytes

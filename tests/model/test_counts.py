@@ -5,10 +5,10 @@ import json
 import torch
 
 from k3train.config import load_config
+from k3train.config.presets import tiny_model_config as tiny_cfg
 from k3train.model import K3Model, SeqInfo
 from k3train.model.flops import active_matmul_params, model_flops_per_token, param_breakdown
 from tools.count_params import count, main
-from helpers import tiny_cfg
 
 
 def test_k3_counts_match_published():
@@ -22,8 +22,9 @@ def test_k3_counts_match_published():
     assert b["routed_experts"]["active"] == 92 * 16 * 3 * 3584 * 3072
     assert b["mtp"]["total"] > 0
     # MoonViT-V2 (about 0.4B): 27 x (q, k, v 1024 -> 1536, o, MLP 1024 <-> 4096, 2 RMSNorm) + patch + 64 x 64 table
+    # + the final RMSNorm before the merge (published kimi_k3)
     assert b["vision"]["total"] == 27 * (4 * 1024 * 1536 + 2 * 1024 * 4096 + 2 * 1024) + 3 * 14 * 14 * 1024 \
-        + 64 * 64 * 1024 == 401_213_440
+        + 64 * 64 * 1024 + 1024 == 401_214_464
     assert b["projector"]["total"] == 4096 * 4096 + 4096 * 7168 + 7168  # PatchMergerMLPV2 + RMSNorm(7168)
     assert [im["tokens"] for im in res["vision_per_image"]] == [256, 4096, 16384]  # seed 000's table
     for im in res["vision_per_image"]:  # forward + backward per part, from flops.vision_flops_detail

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from k3train.config import ConfigError, load_config
+from k3train.config.presets import tiny_pipeline_config as tiny_cfg
 from k3train.data.batch import Batch
 from k3train.model.eagle3 import (Eagle3Fusion, accepted_length, chain_masks, divergence_sum, draft_features,
                                   draft_loss_sums, token_divergence, unrolled_draft)
@@ -19,7 +20,7 @@ from k3train.model.model import K3Model
 from k3train.model.seq import SeqInfo
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))  # pipeline_harness
-from pipeline_harness import EOS, make_batches, tiny_cfg  # noqa: E402
+from pipeline_harness import EOS, make_batches  # noqa: E402
 
 EAGLE = ["--train.objective=eagle3", "--checkpoint.target=unused", "--train.draft_feature_blocks=[1,2]"]
 

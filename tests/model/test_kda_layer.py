@@ -2,10 +2,10 @@
 import pytest
 import torch
 
+from k3train.config.presets import tiny_model_config as tiny_cfg
 from k3train.model.kda import KDALayer, kda_decay
 from k3train.model.seq import SeqInfo
 from k3train.ops.kda import naive_recurrent_kda
-from helpers import tiny_cfg
 
 torch.set_num_threads(1)
 

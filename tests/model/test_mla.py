@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
+from k3train.config.presets import tiny_model_config as tiny_cfg
 from k3train.model.mla import MLA
 from k3train.model.seq import SeqInfo
 from k3train.optim.qk_clip import qk_clip_targets, reference_qk_clip_
-from helpers import tiny_cfg
 
 torch.set_num_threads(1)
 

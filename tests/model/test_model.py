@@ -6,11 +6,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from k3train.config.presets import tiny_model_config as tiny_cfg
 from k3train.data.batch import Batch
 from k3train.model.attnres import AttnResState
 from k3train.model.model import K3Model
 from k3train.model.seq import SeqInfo
-from helpers import assert_grads_close, packed_batch, tiny_cfg
+from helpers import assert_grads_close, packed_batch
 
 torch.set_num_threads(1)
 ASSETS = Path(__file__).resolve().parents[2] / "k3train" / "data" / "assets"

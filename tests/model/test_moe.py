@@ -7,6 +7,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from k3train.config import ModelConfig
+from k3train.config.presets import tiny_moe_config
 from k3train.model.moe import (
     GroupedExperts,
     LatentMoE,
@@ -24,11 +25,12 @@ from k3train.model.moe import (
 torch.set_num_threads(1)
 
 
+# the preset's LatentMoE with an expert FFN width (12) unlike the latent's (16) and two shared experts, 20 wide
+SIZES = dict(moe_intermediate_size=12, num_shared_experts=2, shared_expert_intermediate_size=20)
+
+
 def tiny_cfg(**kw) -> ModelConfig:
-    base = dict(hidden_size=32, num_experts=8, num_experts_per_token=2, moe_intermediate_size=12,
-                routed_expert_hidden_size=16, num_shared_experts=2, shared_expert_intermediate_size=20, qb_bins=64)
-    base.update(kw)
-    return ModelConfig(**base)
+    return tiny_moe_config(**{**SIZES, **kw})
 
 
 def _assert_close(got, exp, atol: float) -> None:

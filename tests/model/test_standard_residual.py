@@ -10,14 +10,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from k3train.config import ConfigError, load_config
+from k3train.config import ConfigError
+from k3train.config.presets import tiny_config, tiny_pipeline_config
+from k3train.config.presets import tiny_model_config as tiny_cfg
 from k3train.model.model import K3Model
 from k3train.model.seq import SeqInfo
-from helpers import TINY, assert_grads_close, packed_batch, tiny_cfg
+from helpers import assert_grads_close, packed_batch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
 from pipeline_harness import assert_grads_match, in_process_pipeline, make_batches, reference  # noqa: E402
-from pipeline_harness import tiny_cfg as pipeline_cfg  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -68,12 +69,12 @@ def test_standard_residual_equals_prenorm_reference() -> None:
 
 def test_residual_value_is_checked() -> None:
     with pytest.raises(ConfigError, match="model.residual"):
-        load_config(TINY, ["--model.residual=plain"])
+        tiny_config("--model.residual=plain")
 
 
 def test_pipeline_pp2_vpp2_recompute_equals_single_process() -> None:
     M = 4
-    cfg = pipeline_cfg(2, 2, recompute=True, micro_batches=M, extra=["--model.residual=standard"])
+    cfg = tiny_pipeline_config(2, 2, recompute=True, micro_batches=M, extra=["--model.residual=standard"])
     batches = make_batches(cfg, M)
     ref, rstats = reference(cfg, batches)
     runners, stats = in_process_pipeline(cfg, batches)

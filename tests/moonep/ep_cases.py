@@ -1,26 +1,22 @@
-"""Shared pieces of the MoonEP distributed tests: a tiny LatentMoE config and the single-process reference."""
+"""Shared pieces of the MoonEP distributed tests: a tiny LatentMoE (its config: k3train/config/presets.py) and the
+single-process reference."""
 from __future__ import annotations
 
 import copy
 
 import torch
 
-from k3train.config import ModelConfig
+from k3train.config.presets import TINY_MOE, tiny_moe_config
 from k3train.model.moe import LatentMoE
 
-D, L, F, E, K = 32, 16, 16, 8, 2
-
-
-def tiny_cfg(**over) -> ModelConfig:
-    kw = dict(hidden_size=D, routed_expert_hidden_size=L, moe_intermediate_size=F, num_experts=E,
-              num_experts_per_token=K, num_shared_experts=1, shared_expert_intermediate_size=16, qb_bins=64)
-    kw.update(over)
-    return ModelConfig(**kw)
+# the preset's sizes: hidden, latent, expert FFN, routed experts, experts per token
+D, L, F, E, K = (TINY_MOE[k] for k in ("hidden_size", "routed_expert_hidden_size", "moe_intermediate_size",
+                                       "num_experts", "num_experts_per_token"))
 
 
 def build_moe(seed: int = 0, **over) -> LatentMoE:
     torch.manual_seed(seed)
-    moe = LatentMoE(tiny_cfg(**over))
+    moe = LatentMoE(tiny_moe_config(**over))
     with torch.no_grad():  # larger router weights so routing is decisive and varied
         moe.router.weight.normal_(0.0, 0.5)
     return moe

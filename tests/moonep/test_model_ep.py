@@ -7,17 +7,13 @@ import torch
 import torch.distributed as dist
 
 from dist_helpers import run_distributed
-from k3train.config import load_config
+from k3train.config.presets import tiny_model_config
 from k3train.data.batch import Batch
 from k3train.model import K3Model
 from moonep import apply_expert_parallel, collect_moonep_metrics, param_reduce_group, sync_router_balance
 from parallel.dims import ParallelDims
 
 B, T = 1, 16
-
-
-def _cfg():
-    return load_config("configs/tiny.yaml", []).model
 
 
 def _batch(seed: int, vocab: int) -> Batch:
@@ -33,7 +29,7 @@ def _loss(model: K3Model, batch: Batch, n_tokens: float) -> torch.Tensor:
 
 
 def _body(rank: int, ws: int) -> None:
-    cfg = _cfg()
+    cfg = tiny_model_config()
     dims = ParallelDims(dp=ws, ep=ws, world_size=ws, rank=rank).build_groups()
     batches = [_batch(s, cfg.vocab_size) for s in range(ws)]
     n_tok = float(sum(b.loss_mask.sum() for b in batches))

@@ -4,23 +4,19 @@ through the MLA module the gate and all projections); block skipping; live bytes
 from __future__ import annotations
 
 import contextlib
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from k3train.config import ConfigError, load_config
+from k3train.config.presets import tiny_model_config as tiny_cfg
 from k3train.model.mla import MLA
 from k3train.ops.mla_dense import MaskInfo, attention_core, masked_logit_max
 from k3train.model.seq import SeqInfo
 from k3train.ops.mla_blockwise import _work, block_plan, blockwise_mla_attention, skipped_share
 from k3train.planning.fakerun.known_data import KnownData
 from k3train.planning.fakerun.live_bytes import LiveBytes
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "model"))
-from helpers import tiny_cfg  # noqa: E402
 
 torch.set_num_threads(1)
 F64 = torch.float64

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from k3train.config import load_config
+from k3train.config.presets import tiny_config
 from k3train.optim import build_optimizer
 from parallel.dims import ParallelDims
 
@@ -11,8 +11,7 @@ batch_mod = pytest.importorskip("k3train.data.batch")
 
 
 def _tiny():
-    cfg = load_config("configs/tiny.yaml", world_size=1,
-                      overrides=["--model.num_hidden_layers=4", "--model.num_nextn_predict_layers=0"])
+    cfg = tiny_config("--model.num_hidden_layers=4", "--model.num_nextn_predict_layers=0", world_size=1)
     m = model_mod.K3Model(cfg.model)
     m.init_weights(3)
     return cfg, m.train()

@@ -1,14 +1,14 @@
-"""Shared helpers for the pipeline tests: a tiny K3 config, micro-batches, the single-process reference, and an
-in-process driver that runs every pipeline rank's program in one process over an in-memory transport (the same
-runner code minus gloo; the multi-process tests cover the gloo transport)."""
+"""Shared helpers for the pipeline tests: micro-batches, the single-process reference, and an in-process driver
+that runs every pipeline rank's program in one process over an in-memory transport (the same runner code minus
+gloo; the multi-process tests cover the gloo transport). Their tiny config: k3train/config/presets.py
+(``tiny_pipeline_config``)."""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from k3train.config import Config, load_config
+from k3train.config import Config
 from k3train.data.batch import Batch
 from k3train.model.model import K3Model
 from parallel.comm_stats import ByteCounter
@@ -17,27 +17,8 @@ from parallel.pipeline import LossNorm, build_step_runner
 from parallel.pipeline.schedules import Message, deps_of
 from reference_step import single_process_step
 
-ROOT = Path(__file__).resolve().parents[2]
 SEED = 7
 EOS = 1
-
-
-def tiny_cfg(pp: int = 2, vpp: int = 1, dp: int = 1, *, layers: int = 8, pp_layers: list[int] | None = None,
-             comm: str = "cached", schedule: str = "auto", recompute: bool = False, micro_batches: int = 4,
-             mtp: int = 1, extra: list[str] | None = None) -> Config:
-    """configs/tiny.yaml shrunk further (hidden 32, vocab 256, 4 experts, seq 12), blocks of 3 layers."""
-    ov = ["--model.hidden_size=32", "--model.vocab_size=256", "--model.num_experts=4",
-          "--model.intermediate_size=64", "--model.shared_expert_intermediate_size=32",
-          "--model.routed_expert_hidden_size=16", "--model.moe_intermediate_size=16", "--model.kda_chunk_size=16",
-          f"--model.num_hidden_layers={layers}", "--model.attn_res_block_size=3",
-          f"--model.num_nextn_predict_layers={mtp}",
-          f"--parallel.pp={pp}", f"--parallel.vpp={vpp}", f"--parallel.dp={dp}", f"--parallel.attnres_comm={comm}",
-          f"--parallel.schedule={schedule}", f"--parallel.recompute={str(recompute).lower()}",
-          "--train.seq_len=12", "--train.micro_batch_size=1", f"--train.global_batch_size={micro_batches * dp}",
-          "--train.device=cpu"]
-    if pp_layers:
-        ov.append(f"--parallel.pp_layers=[{','.join(map(str, pp_layers))}]")
-    return load_config(ROOT / "configs" / "tiny.yaml", ov + (extra or []), world_size=pp * dp)
 
 
 def make_batches(cfg: Config, n: int, seed: int = 0) -> list[Batch]:

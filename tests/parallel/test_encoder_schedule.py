@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from k3train.config import ConfigError
+from k3train.config.presets import tiny_pipeline_config as tiny_cfg
 from k3train.data.batch import Batch
 from k3train.model.media import MediaInputs
 from parallel.pipeline.p2p import build_programs, check_programs, run_programs
 from parallel.pipeline.schedules import (Action, build_schedule, forward_only_schedule, place_encoder, simulate,
                                          strip_encoder, validate_schedule)
-from pipeline_harness import assert_grads_match, in_process_pipeline, reference, tiny_cfg
+from pipeline_harness import assert_grads_match, in_process_pipeline, reference
 
 CASES = [("1f1b", 2, 1, 2), ("1f1b", 2, 1, 5), ("1f1b", 4, 1, 8), ("1f1b", 3, 1, 2), ("interleaved", 2, 2, 4),
          ("interleaved", 4, 2, 8), ("interleaved", 3, 3, 6), ("afab", 2, 2, 3)]

@@ -8,10 +8,11 @@ import torch
 import torch.distributed as dist
 
 from dist_helpers import run_distributed
+from k3train.config.presets import tiny_pipeline_config as tiny_cfg
 from parallel.comm_stats import sum_over_ranks
 from parallel.dims import ParallelDims
 from parallel.pipeline import LossNorm, build_step_runner
-from pipeline_harness import assert_grads_match, full_model, make_batches, reference, tiny_cfg
+from pipeline_harness import assert_grads_match, full_model, make_batches, reference
 
 
 Layout = tuple  # (pp, vpp, dp, M, pp_layers, comms, schedule)

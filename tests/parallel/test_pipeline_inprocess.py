@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from k3train.config.presets import tiny_pipeline_config as tiny_cfg
 from parallel.pipeline.attnres_comm import BlockCache
-from pipeline_harness import (assert_grads_match, full_model, in_process_pipeline, make_batches, reference,
-                              tiny_cfg)
+from pipeline_harness import assert_grads_match, full_model, in_process_pipeline, make_batches, reference
 
 _REF: dict = {}
 

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from dist_helpers import run_distributed
 from k3train.config import ConfigError, load_config
+from k3train.config.presets import tiny_model_config
 from k3train.data.batch import Batch
 from k3train.model.model import K3Model
 from k3train.model.moe import GroupedExperts, LatentMoE, LocalDispatcher, grouped_expert_ffn
@@ -28,10 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))  # pip
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.yaml"
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
-
-
-def _model_cfg(*over: str):
-    return load_config(TINY, list(over)).model
 
 
 def _quantize_weight(w: torch.Tensor) -> torch.Tensor:
@@ -63,7 +60,7 @@ def _is_expert(name: str) -> bool:
                                         (torch.float32, "grouped_mm"), (torch.float32, "padded_bmm")])
 def test_latent_moe_qat_equals_explicitly_quantized_weights(dtype, impl):
     torch.manual_seed(0)
-    moe = LatentMoE(_model_cfg()).to(dtype)
+    moe = LatentMoE(tiny_model_config()).to(dtype)
     moe.dispatcher = LocalDispatcher(impl)
     plain = copy.deepcopy(moe)
     assert apply_qat([moe], "mxfp4") == 1 and moe.experts.quant == ExpertQuant("mxfp4")
@@ -136,7 +133,7 @@ def _loss(model: K3Model, batch: Batch, n_tokens: float) -> torch.Tensor:
 
 
 def test_k3model_qat_equals_explicitly_quantized_weights():
-    cfg = _model_cfg()
+    cfg = tiny_model_config()
     model = K3Model(cfg)
     model.init_weights(7)
     assert apply_qat([model], "mxfp4") == cfg.num_hidden_layers - cfg.first_k_dense_replace + 1  # + the MTP layer's
@@ -154,7 +151,7 @@ def test_k3model_qat_equals_explicitly_quantized_weights():
 
 def test_mxfp4_export_dequantizes_to_the_qat_forward_bit_for_bit():
     """The served weights (packed E2M1 + E8M0, per expert [out, in]) reproduce what QAT trained with."""
-    cfg = _model_cfg()
+    cfg = tiny_model_config()
     model = K3Model(cfg)
     model.init_weights(3)
     apply_qat([model], "mxfp4")
@@ -203,7 +200,8 @@ def test_parallelize_applies_qat_to_every_routed_expert():
 
 # ---- parallel layouts -----------------------------------------------------------------------------------------
 def test_pipeline_pp2_vpp2_with_recompute_equals_one_process():
-    from pipeline_harness import assert_grads_match, full_model, in_process_pipeline, make_batches, tiny_cfg
+    from k3train.config.presets import tiny_pipeline_config as tiny_cfg
+    from pipeline_harness import assert_grads_match, full_model, in_process_pipeline, make_batches
     from parallel.pipeline import LossNorm
     from reference_step import single_process_step
 
@@ -237,7 +235,7 @@ def _ep_body(rank: int, ws: int) -> None:
     from moonep import apply_expert_parallel, collect_moonep_metrics, param_reduce_group
     from parallel.dims import ParallelDims
 
-    cfg = _model_cfg()
+    cfg = tiny_model_config()
     dims = ParallelDims(dp=ws, ep=ws, world_size=ws, rank=rank).build_groups()
     batches = [_batch(s, cfg.vocab_size) for s in range(ws)]
     n_tok = float(sum(b.loss_mask.sum() for b in batches))

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: dist_helpers, which train_helpers imports
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from test_bad_input import BAD_INPUT, _tiny_dataset, fill, make_inputs  # noqa: E402

@@ -132,7 +132,7 @@ def test_run_settings_are_checked(arg, key):
     (["--train.seq_len=65536"], "train.seq_len", "exceeds model.max_position_embeddings=4096"),
 ])
 def test_long_context_settings_are_checked(args, key, needle):
-    """Long-context settings (README "Long context"): one line naming the key, raised by the one validation
+    """Long-context settings (docs/long-context.md): one line naming the key, raised by the one validation
     every entry point runs (Config.validate), before anything is built."""
     with pytest.raises(ConfigError) as e:
         load_config(TINY, args)

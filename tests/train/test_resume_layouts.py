@@ -1,4 +1,4 @@
-"""Resume into a DIFFERENT parallel layout continues the same run (README: checkpoints are saved by parameter name
+"""Resume into a DIFFERENT parallel layout continues the same run (docs/reliability.md: checkpoints are saved by parameter name
 so that another layout can load them): runs of the real entry point (``run_train_forked``: ranks with
 torchrun's environment, forked from the fork server).
 

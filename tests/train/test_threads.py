@@ -9,7 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dist_helpers import free_port, run_distributed
+from dist_helpers import run_distributed
+from k3train.runtime.local_workers import free_port
 from k3train.runtime.process_groups import child_pythonpath, choose_num_threads, cores_available
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,7 +46,7 @@ def test_two_ranks_on_one_host_share_the_cores():
 
 
 def test_two_agents_on_one_host_share_the_cores(tmp_path):
-    """The README's 2-node command rehearsed on one machine: two torchrun agents (LOCAL_WORLD_SIZE 1 each) with
+    """The 2-node command of docs/running.md rehearsed on one machine: two torchrun agents (LOCAL_WORLD_SIZE 1 each) with
     c10d rendezvous on 127.0.0.1. Each rank gets half the cores, not all of them."""
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "RANK", "WORLD_SIZE", "LOCAL_RANK",
                                                             "MASTER_PORT", "K3TRAIN_THREADS_AUTO")}

@@ -7,8 +7,11 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
+import pytest
+
+from dist_helpers import PRELOAD
+from k3train.runtime.local_workers import rank_free_environ, run_module_ranks
 from k3train.runtime.process_groups import child_pythonpath
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,8 +38,6 @@ def assert_same_run(got: list[dict], ref: list[dict], what: object = "") -> None
     updates amplify them to ~1e-5 of the loss (two single-process runs of the same model, fused vs reference
     aggregation, differ by 1.1e-5 at step 4) -- the bound leaves 5x. A resume that lost optimizer state, router
     biases or the data position moves step 3's loss by 1e-3 or more."""
-    import pytest
-
     assert [r["step"] for r in got] == [r["step"] for r in ref], what
     for a, b in zip(got, ref):
         assert a["loss"] == pytest.approx(b["loss"], rel=5e-5, abs=5e-5), (what, a["step"], a["loss"], b["loss"])
@@ -44,7 +45,7 @@ def assert_same_run(got: list[dict], ref: list[dict], what: object = "") -> None
 
 
 def train_env(env_extra: dict[str, str | None] | None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env = rank_free_environ()
     env.update(WANDB_MODE="disabled", OMP_NUM_THREADS="1", PYTHONPATH=child_pythonpath(ROOT))
     for k, v in (env_extra or {}).items():
         if v is None:
@@ -75,125 +76,22 @@ def run_train(args: list[str], nproc: int = 0, timeout: float = 600,
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def _forked_rank(argv: list[str], env: dict[str, str], out: str, err: str) -> None:
-    """One process of :func:`run_train_forked`: the module ``k3train.train`` run as ``__main__`` (what ``python -m``
-    runs) in its own session (torchrun starts each worker so), stdout and stderr into the files ``out`` and
-    ``err``; it ends as the interpreter would: an uncaught exception's traceback and exit 1, ``sys.exit``'s code,
-    non-daemon threads joined (``threading._shutdown``, as :mod:`multiprocessing` does), ``atexit`` functions run."""
-    import atexit  # noqa: PLC0415
-    import runpy  # noqa: PLC0415
-    import threading  # noqa: PLC0415
-    import traceback  # noqa: PLC0415
-
-    os.setsid()
-    os.chdir(ROOT)
-    os.environ.clear()
-    os.environ.update(env)
-    for fd, path in ((1, out), (2, err)):
-        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        os.dup2(f, fd)
-        os.close(f)
-    sys.argv = ["k3train.train", *argv]
-    code: object = 0
-    try:
-        runpy.run_module("k3train.train", run_name="__main__", alter_sys=True)
-    except SystemExit as e:
-        code = e.code
-    except BaseException:  # noqa: BLE001 - what the interpreter does with an uncaught exception
-        traceback.print_exc()
-        code = 1
-    if code is None:
-        code = 0
-    elif not isinstance(code, int):  # sys.exit("message"): printed, exit code 1
-        print(code, file=sys.stderr)
-        code = 1
-    threading._shutdown()  # noqa: SLF001 - the interpreter's exit: wait for non-daemon threads, then atexit
-    atexit._run_exitfuncs()  # noqa: SLF001
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def _signal_rank(p: Any, sig: int) -> None:
-    """``sig`` to rank process ``p``'s session (what it started), or to ``p`` before it made one."""
-    try:
-        os.killpg(p.pid, sig)
-    except ProcessLookupError:
-        try:
-            os.kill(p.pid, sig)
-        except ProcessLookupError:
-            pass
-
-
-# torchrun's grace period between SIGTERM to the other workers of a failed one and SIGKILL
-TERM_GRACE_S = 30.0
-
-
 def run_train_forked(args: list[str], nproc: int = 0, timeout: float = 600,
                      env_extra: dict[str, str | None] | None = None) -> subprocess.CompletedProcess:
     """:func:`run_train` for the tests whose subject is what the trainer computes and writes, not the launcher or
     the interpreter: the same module run as ``__main__`` with the same arguments and environment, in one process
-    (nproc 0) or ``nproc`` ranks, each forked from the session's fork server (tests/dist_helpers.py: torch and
-    k3train already imported, ~2-3 s of CPU less per process, and no torchrun agent process). The ranks get
-    torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT: the env://
-    rendezvous torchrun's workers use), each its own session; as torchrun does, the first rank that fails has the
-    others' sessions sent SIGTERM, then SIGKILL after ``TERM_GRACE_S``. Returns the exit code (the first failing
-    rank's, else 0; torchrun itself would exit 1 and print the worker's code) and the ranks' stdout and stderr,
+    (nproc 0) or ``nproc`` ranks, each forked from the session's fork server (k3train/runtime/local_workers.py
+    ``run_module_ranks``: torch and k3train already imported, ~2-3 s of CPU less per process, and no torchrun
+    agent process). The ranks get torchrun's variables (the env:// rendezvous torchrun's workers use), each its own
+    session; as torchrun does, the first rank that fails has the others' sessions sent SIGTERM, then SIGKILL after
+    a grace period. Returns the exit code (the first failing rank's, else 0) and the ranks' stdout and stderr,
     rank 0's first. At ``timeout`` every rank's session is killed and ``subprocess.TimeoutExpired`` raised.
     Variables that torch reads when it is imported (thread counts) cannot change in a forked rank: a test that
     sets them uses :func:`run_train`."""
-    import shutil  # noqa: PLC0415
-    import signal  # noqa: PLC0415
-    import time  # noqa: PLC0415
-
-    from dist_helpers import fork_context, free_port  # noqa: PLC0415
-
     env = train_env(env_extra)
     fixed = [k for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS") if env.get(k) != os.environ.get(k)]
     assert not fixed, f"{fixed} are read when torch is imported (the fork server did): use run_train"
-    args = _with_out_dir(args)
-    n = max(1, nproc)
-    envs = [dict(env) for _ in range(n)]
-    if nproc:
-        port = str(free_port())
-        for r, e in enumerate(envs):
-            e.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),
-                     MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    logs = Path(tempfile.mkdtemp(prefix="k3train-test-forked-"))
-    ctx = fork_context()
-    procs = [ctx.Process(target=_forked_rank, args=(args, envs[r], str(logs / f"{r}.out"), str(logs / f"{r}.err")))
-             for r in range(n)]
-    deadline = time.monotonic() + timeout
-    failed = None
-    try:
-        for p in procs:
-            p.start()
-        while alive := [p for p in procs if p.is_alive()]:  # one look: a rank may end between two
-            if failed is None:
-                failed = next((p for p in procs if p.exitcode not in (None, 0)), None)
-                if failed is not None:  # torchrun stops the other workers of a failed one
-                    for p in procs:
-                        if p.is_alive():
-                            _signal_rank(p, signal.SIGTERM)
-                    grace_end = time.monotonic() + TERM_GRACE_S
-            elif time.monotonic() > grace_end:
-                for p in procs:
-                    if p.is_alive():
-                        _signal_rank(p, signal.SIGKILL)
-            if time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(["k3train.train", *args], timeout)
-            alive[0].join(timeout=0.1)  # returns at once if it has ended since
-    finally:
-        for p in procs:
-            if p.pid is not None:
-                _signal_rank(p, signal.SIGKILL)  # the session: whatever a rank started dies with it
-                p.join()
-        text = {name: "".join((logs / f"{r}.{name}").read_text(errors="replace")
-                              for r in range(n) if (logs / f"{r}.{name}").is_file()) for name in ("out", "err")}
-        shutil.rmtree(logs, ignore_errors=True)
-    codes = [p.exitcode for p in procs]
-    rc = failed.exitcode if failed is not None else next((c for c in codes if c != 0), 0)
-    return subprocess.CompletedProcess(["k3train.train", *args], rc, text["out"], text["err"])
+    return run_module_ranks("k3train.train", _with_out_dir(args), nproc, env, ROOT, timeout, preload=PRELOAD)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
