@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from k3train.config import ConfigError, load_config  # noqa: E402 - after the path set-up above
 from k3train.planning.scope import check_modelled  # noqa: E402
+from k3train.runtime.bad_input import report_bad_input  # noqa: E402
 
 
 def run_measure(config: str, world: int, overrides: list[str], steps: int, timeout: float = 1800) -> dict[int, int]:
@@ -114,14 +115,12 @@ def main(argv: list[str] | None = None) -> int:
         media = MediaCase(args.media, args.media_frames)
         media.check(cfg)
     except (ConfigError, ValueError, FileNotFoundError) as e:
-        print(f"k3train: error: {e}", file=sys.stderr)
-        return 2
+        return report_bad_input(e)
     if args.plot:
         try:
             import matplotlib  # noqa: F401  # lazy: matplotlib is optional (only --plot needs it)
         except ImportError:
-            print("k3train: error: --plot needs matplotlib (.venv/bin/pip install matplotlib)", file=sys.stderr)
-            return 2
+            return report_bad_input("--plot needs matplotlib (.venv/bin/pip install matplotlib)")
     if args.check_compose:
         from k3train.planning.memory.compose_check import compose_check  # lazy: torch (after the config check)
 

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from k3train.config import ConfigError, load_config  # noqa: E402 - after the path set-up above
 from k3train.planning.scope import check_modelled  # noqa: E402
-from k3train.preflight import is_bad_input  # noqa: E402
+from k3train.runtime.bad_input import is_bad_input, report_bad_input  # noqa: E402
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -69,8 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         run = _plan(args, overrides, log)
     except Exception as e:  # noqa: BLE001 - bad input is one line; anything else is a bug and raises
         if isinstance(e, (ConfigError, FileNotFoundError)) or is_bad_input(e):
-            print(f"k3train: error: {e}", file=sys.stderr)
-            return 2
+            return report_bad_input(e)
         raise
     planner, res, lt, dev = run.planner, run.res, run.lt, run.dev
     ref_row = _place_reference(args, overrides, ref_over, planner, res)
