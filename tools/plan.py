@@ -23,7 +23,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -123,8 +123,7 @@ def _checked(args: argparse.Namespace, overrides: list[str]) -> list[str]:
     return ref_over
 
 
-@dataclasses.dataclass
-class _Planned:
+class _Planned(NamedTuple):
     """A plan's planner and result, the device and layer timings it used, and what :func:`_keep_calibration` needs
     (the calibration file, its bytes before the plan, the other processes' CPU since)."""
     planner: Any
