@@ -140,60 +140,79 @@ def _programs_posted_ahead(sched: list[list[Action]], pl: Placement, sim: SimRes
               else max(consumer[m] - 1, 0) for m in send_gap}
     gap: dict[tuple[Message, str], int] = {}  # (msg, 'send'|'recv') -> gap on that end
     pos: dict[Message, int] = {}  # position in its rank pair's sequence
-    for a in range(pp):
-        for b in range(a + 1, pp):
-            queues = [sorted((m for m in send_gap if route[m] == (s, d)),
-                             key=lambda m: (send_gap[m], sim.ready[m], _msg_key(m))) for s, d in ((a, b), (b, a))]
-            floor = {a: 0, b: 0}  # gap of the pair's latest placed operation on each end
-
-            def place(m: Message, fl: dict[int, int]) -> tuple[int, int, int, int]:
-                """(send gap, recv gap, missed, delayed) of ``m`` placed next after floors ``fl``."""
-                s, d = route[m]
-                sg = max(send_gap[m], fl[s])
-                want = latest[m]
-                rg = max(want, fl[d])
-                return sg, rg, int(rg > want), int(sg > send_gap[m])
-
-            def score(first: Message, then: Message) -> tuple:
-                fl = dict(floor)
-                total = [0, 0]
-                for m in (first, then):
-                    sg, rg, missed, delayed = place(m, fl)
-                    if rg > consumer[m]:
-                        return (1,)  # infeasible: the receive would come after its consumer
-                    s, d = route[m]
-                    fl[s], fl[d] = sg, rg
-                    total[0] += missed
-                    total[1] += delayed
-                return (0, *total, sim.ready[first], _msg_key(first))
-
-            heads, n = [0, 0], 0
-            while heads[0] < len(queues[0]) or heads[1] < len(queues[1]):
-                if heads[0] == len(queues[0]) or heads[1] == len(queues[1]):
-                    k = 0 if heads[0] < len(queues[0]) else 1
-                else:
-                    x, y = queues[0][heads[0]], queues[1][heads[1]]
-                    k = 0 if score(x, y) <= score(y, x) else 1
-                m = queues[k][heads[k]]
-                heads[k] += 1
-                sg, rg, _, _ = place(m, floor)
-                if rg > consumer[m]:
-                    raise RuntimeError(f"p2p order: no position for the receive of {m} (pair {a}, {b})")
-                s, d = route[m]
-                floor[s], floor[d] = sg, rg
-                gap[(m, "send")], gap[(m, "recv")], pos[m] = sg, rg, n
-                n += 1
+    by_route: dict[tuple[int, int], list[Message]] = {}
+    for m in send_gap:
+        by_route.setdefault(route[m], []).append(m)
+    for a, b in sorted({(min(r), max(r)) for r in by_route}):  # the rank pairs that exchange messages
+        queues = [sorted(by_route.get((s, d), ()), key=lambda m: (send_gap[m], sim.ready[m], _msg_key(m)))
+                  for s, d in ((a, b), (b, a))]
+        _merge_pair(a, b, queues, _PairWishes(route, send_gap, consumer, latest, sim), gap, pos)
+    items: list[list[tuple[tuple, Instr]]] = [[((i, 1, 0, 0), Instr("compute", action=a))
+                                               for i, a in enumerate(sched[r])] for r in range(pp)]
+    for m, (s, d) in route.items():  # keys are unique per rank: the order of this loop does not matter
+        items[s].append(((gap[(m, "send")], 0, pos[m], d), Instr("send", msg=m)))
+        items[d].append(((gap[(m, "recv")], 0, pos[m], s), Instr("recv", msg=m)))
     programs: list[list[Instr]] = []
     for r in range(pp):
-        items: list[tuple[tuple, Instr]] = [((i, 1, 0, 0), Instr("compute", action=a))
-                                            for i, a in enumerate(sched[r])]
-        for m, (s, d) in route.items():
-            if r in (s, d):
-                op = "send" if r == s else "recv"
-                items.append(((gap[(m, op)], 0, pos[m], d if r == s else s), Instr(op, msg=m)))
-        items.sort(key=lambda x: x[0])
-        programs.append([ins for _, ins in items])
+        items[r].sort(key=lambda x: x[0])
+        programs.append([ins for _, ins in items[r]])
     return programs
+
+
+@dataclass(frozen=True)
+class _PairWishes:
+    """Where each message's ends want its operations (:func:`_programs_posted_ahead`): its route, the sender's gap
+    right after the producing compute, the consuming compute, the receiver's latest wanted gap, the simulation."""
+    route: dict[Message, tuple[int, int]]
+    send_gap: dict[Message, int]
+    consumer: dict[Message, int]
+    latest: dict[Message, int]
+    sim: SimResult
+
+
+def _merge_pair(a: int, b: int, queues: list[list[Message]], w: _PairWishes, gap: dict[tuple[Message, str], int],
+                pos: dict[Message, int]) -> None:
+    """The two directions of rank pair ``(a, b)`` (``queues``: a->b, b->a in production order) merged greedily
+    into one sequence (module docstring): each message's send and receive gap (``gap``) and position (``pos``)."""
+    floor = {a: 0, b: 0}  # gap of the pair's latest placed operation on each end
+
+    def place(m: Message, fl: dict[int, int]) -> tuple[int, int, int, int]:
+        """(send gap, recv gap, missed, delayed) of ``m`` placed next after floors ``fl``."""
+        s, d = w.route[m]
+        sg = max(w.send_gap[m], fl[s])
+        want = w.latest[m]
+        rg = max(want, fl[d])
+        return sg, rg, int(rg > want), int(sg > w.send_gap[m])
+
+    def score(first: Message, then: Message) -> tuple:
+        fl = dict(floor)
+        total = [0, 0]
+        for m in (first, then):
+            sg, rg, missed, delayed = place(m, fl)
+            if rg > w.consumer[m]:
+                return (1,)  # infeasible: the receive would come after its consumer
+            s, d = w.route[m]
+            fl[s], fl[d] = sg, rg
+            total[0] += missed
+            total[1] += delayed
+        return (0, *total, w.sim.ready[first], _msg_key(first))
+
+    heads, n = [0, 0], 0
+    while heads[0] < len(queues[0]) or heads[1] < len(queues[1]):
+        if heads[0] == len(queues[0]) or heads[1] == len(queues[1]):
+            k = 0 if heads[0] < len(queues[0]) else 1
+        else:
+            x, y = queues[0][heads[0]], queues[1][heads[1]]
+            k = 0 if score(x, y) <= score(y, x) else 1
+        m = queues[k][heads[k]]
+        heads[k] += 1
+        sg, rg, _, _ = place(m, floor)
+        if rg > w.consumer[m]:
+            raise RuntimeError(f"p2p order: no position for the receive of {m} (pair {a}, {b})")
+        s, d = w.route[m]
+        floor[s], floor[d] = sg, rg
+        gap[(m, "send")], gap[(m, "recv")], pos[m] = sg, rg, n
+        n += 1
 
 
 def _latest_recv_gap(m: Message, route: tuple[int, int], send_gap: int, consumer: int, sim: SimResult) -> int:
@@ -237,21 +256,36 @@ def check_programs(programs: list[list[Instr]], pp: int, vpp: int) -> None:
                     if d not in posted:
                         raise AssertionError(f"rank {r}: {ins.action} runs before receiving {d}")
                 done.update(produces(ins.action, r, pp, vpp))
-    for src in range(pp):
-        for dst in range(pp):
-            sends = [i.msg for i in programs[src] if i.op == "send" and message_route(i.msg, pl)[1] == dst]
-            recvs = [i.msg for i in programs[dst] if i.op == "recv" and message_route(i.msg, pl)[0] == src]
-            if sends != recvs:
-                raise AssertionError(f"p2p order mismatch {src}->{dst}: sends {sends[:6]}... recvs {recvs[:6]}...")
+    sends: dict[tuple[int, int], list[Message]] = {}  # (src, dst) -> messages in src's order
+    recvs: dict[tuple[int, int], list[Message]] = {}  # (src, dst) -> messages in dst's order
+    for r, prog in enumerate(programs):
+        for i in prog:
+            if i.op == "send":
+                sends.setdefault((r, message_route(i.msg, pl)[1]), []).append(i.msg)
+            elif i.op == "recv":
+                recvs.setdefault((message_route(i.msg, pl)[0], r), []).append(i.msg)
+    for src, dst in sorted(set(sends) | set(recvs)):
+        s, r = sends.get((src, dst), []), recvs.get((src, dst), [])
+        if s != r:
+            raise AssertionError(f"p2p order mismatch {src}->{dst}: sends {s[:6]}... recvs {r[:6]}...")
     # the pair's combined op sequence (both directions) must agree too (single-stream transports such as NCCL)
-    for a in range(pp):
-        for b in range(a + 1, pp):
-            if _pair_seq(programs, pl, a, b) != _pair_seq(programs, pl, b, a):
-                raise AssertionError(f"p2p op order on pair ({a}, {b}) differs between the two ends")
+    seqs = _pair_seqs(programs, pl)
+    for a, b in sorted({(min(k), max(k)) for k in seqs}):
+        if seqs.get((a, b), []) != seqs.get((b, a), []):
+            raise AssertionError(f"p2p op order on pair ({a}, {b}) differs between the two ends")
 
 
-def _pair_seq(programs: list[list[Instr]], pl: Placement, r: int, peer: int) -> list[Message]:
-    return [i.msg for i in programs[r] if i.op != "compute" and set(message_route(i.msg, pl)) == {r, peer}]
+def _pair_seqs(programs: list[list[Instr]], pl: Placement) -> dict[tuple[int, int], list[Message]]:
+    """``{(rank, peer): the p2p messages of rank's program exchanged with peer, in program order}`` (pairs
+    without messages left out)."""
+    out: dict[tuple[int, int], list[Message]] = {}
+    for r, prog in enumerate(programs):
+        for i in prog:
+            if i.op != "compute":
+                s, d = message_route(i.msg, pl)
+                if r in (s, d) and s != d:
+                    out.setdefault((r, d if r == s else s), []).append(i.msg)
+    return out
 
 
 class ProgramDeadlock(RuntimeError):
@@ -265,11 +299,11 @@ def run_programs(programs: list[list[Instr]], pp: int, vpp: int, ordered: bool =
     pl = Placement.of(pp, vpp)
     pair_of = {}
     seqs: dict[tuple[int, int], list[Message]] = {}
-    for a in range(pp):
-        for b in range(a + 1, pp):
-            seqs[(a, b)] = _pair_seq(programs, pl, a, b)
-            for m in seqs[(a, b)]:
-                pair_of[m] = (a, b)
+    by_rank = _pair_seqs(programs, pl)
+    for a, b in sorted({(min(k), max(k)) for k in by_rank}):
+        seqs[(a, b)] = by_rank.get((a, b), [])
+        for m in seqs[(a, b)]:
+            pair_of[m] = (a, b)
     done_upto = dict.fromkeys(seqs, 0)
     sent: set[Message] = set()
     received: set[Message] = set()
