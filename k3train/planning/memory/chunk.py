@@ -84,7 +84,11 @@ def _composed(cfg: Config, model: nn.Module, fake: FakeTensorMode, cache: dict, 
         pieces.append(p)
         if limit is not None:
             saved_so_far, f_so_far, b_so_far = compose(pieces)
-            held = max(f_so_far, b_so_far, in_flight * saved_so_far)
+            if chunk_rc:  # the chunk keeps only its inputs (below): its forward holds one piece's transient at a
+                # time, its backward the recomputed pieces so far; nothing of it stays in flight
+                held = max(max(f for _, f, _ in pieces), b_so_far)
+            else:
+                held = max(f_so_far, b_so_far, in_flight * saved_so_far)
             if held > limit:
                 raise TraceTooBig(held)
 
