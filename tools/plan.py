@@ -47,13 +47,23 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int, default=6,
                     help="with --measure: steps per run (the first two excluded; the first only, below 5 steps)")
     ap.add_argument("--ep-skew", type=float, default=1.5, help="plain EP: busiest rank's routed load / mean")
-    ap.add_argument("--exhaustive", action="store_true", help="simulate and trace every layout")
+    ap.add_argument("--exhaustive", action="store_true", help="simulate and trace every layout (small spaces)")
+    ap.add_argument("--complete", action="store_true",
+                    help="search without a budget until the best is proven (bounds prune, no heuristic skips): the "
+                         "reference the default search is compared with")
+    ap.add_argument("--exact-memory", action="store_true",
+                    help="trace every ranked layout's exact peak (default: the chosen layout's; the others may be "
+                         "ranked on an upper bound of their peak, '<=' in the table)")
+    ap.add_argument("--no-cache", action="store_true",
+                    help="neither read nor write the memory cache (traced pieces and estimates, in the k3train "
+                         "cache directory)")
     ap.add_argument("--trace-budget-s", type=float, default=0.0,
-                    help="seconds of memory traces at most (0: what --time-budget-s leaves; a long-context K3 "
-                         "trace of a new cp takes about a minute)")
-    ap.add_argument("--sim-budget-s", type=float, default=60.0, help="seconds of schedule simulation at most")
-    ap.add_argument("--time-budget-s", type=float, default=270.0,
-                    help="seconds of the whole plan at most (enumeration, bounds, simulation, traces; not --measure)")
+                    help="seconds of memory traces at most (0: what --time-budget-s leaves)")
+    ap.add_argument("--sim-budget-s", type=float, default=0.0,
+                    help="seconds of schedule simulation at most (0: what --time-budget-s leaves)")
+    ap.add_argument("--time-budget-s", type=float, default=60.0,
+                    help="seconds of the whole plan at most (enumeration, bounds, simulation, traces; not --measure "
+                         "nor the chosen layout's exact peak); when it ends first, the first line says so")
     ap.add_argument("--reference", default="", help="a layout to place in the ranking, as overrides "
                                                     "'--parallel.pp=16 --parallel.vpp=2 ...'")
     ap.add_argument("--json", action="store_true")
@@ -63,7 +73,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args, overrides = _parser().parse_known_args(argv)
-    log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+    log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731 - progress: stdout starts with the answer
     try:
         ref_over = _checked(args, overrides)
         run = _plan(args, overrides, log)
@@ -84,13 +94,15 @@ def main(argv: list[str] | None = None) -> int:
         ranked = res.ranked()  # the picks traced layouts the budget had left out: they compete too
         chosen = ranked[0] if ranked else None
     if chosen is not None:  # its exposed communication by kind, pipeline transfers included (one simulation more)
-        chosen.pred = _predict_one(planner, chosen, res, split_p2p=True)
+        chosen.pred = planner.predict(chosen, split_p2p=True)
     if args.plot:
         from k3train.planning.search.report import plot  # lazy: torch is not loaded before the config is checked
 
         plot(res, args.plot, chosen, ref_row)
     if args.json:
         print(json.dumps({"world_size": args.world_size, "device": _dev_json(res.device),
+                          "status": {**res.status.as_json(), "line": status_line(res, chosen)},
+                          "valid_layouts": res.layouts,
                           "candidates_checked": res.candidates, "seconds": res.seconds, "notes": res.notes,
                           "chosen": chosen.as_json(res.base_cfg, res.world, dev.peak_flops) if chosen else None,
                           "reference": ref_row.as_json(res.base_cfg, res.world, dev.peak_flops) if ref_row else None,
@@ -109,6 +121,12 @@ def _checked(args: argparse.Namespace, overrides: list[str]) -> list[str]:
     for k, v in (("--top", args.top), ("--measure", args.measure), ("--steps", args.steps - 1)):
         if v < (1 if k != "--measure" else 0):
             raise ConfigError(f"{k}: out of range")
+    for k, v in (("--time-budget-s", args.time_budget_s), ("--sim-budget-s", args.sim_budget_s),
+                 ("--trace-budget-s", args.trace_budget_s)):
+        if not v >= 0:
+            raise ConfigError(f"{k}: must be >= 0 seconds, got {v}")
+    if args.complete and args.exhaustive:
+        raise ConfigError("--complete and --exhaustive: choose one (--exhaustive also traces every layout)")
     if args.ep_skew < 1:
         raise ConfigError(f"--ep-skew: must be >= 1 (max load / mean load), got {args.ep_skew}")
     check_modelled(load_config(args.config, overrides))  # the base config itself (keys, types) before any work
@@ -142,13 +160,13 @@ def _plan(args: argparse.Namespace, overrides: list[str], log: Any) -> _Planned:
     from k3train.planning.calibration.host import cache_path  # lazy: as above
     from k3train.planning.calibration.host_busy import OthersCpu  # lazy: as above
     from k3train.planning.calibration.layer_times import LayerTimes  # lazy: as above
-    from k3train.planning.search.layouts import enumerate_layouts  # lazy: as above
     from k3train.planning.search.planner import Planner  # lazy: as above
+    from k3train.planning.search.space import enumerate_space  # lazy: as above
 
     t_enum = time.perf_counter()
-    pairs = enumerate_layouts(args.config, overrides, args.world_size)
+    space = enumerate_space(args.config, overrides, args.world_size)
     t_enum = time.perf_counter() - t_enum
-    if not pairs[0]:
+    if not space.cores:
         raise ConfigError(f"no valid layout of {args.config} for world size {args.world_size} (with the "
                           f"dimensions pinned on the command line: {' '.join(overrides) or 'none'})")
 
@@ -168,11 +186,12 @@ def _plan(args: argparse.Namespace, overrides: list[str], log: Any) -> _Planned:
         curve = lt.concurrency(load_config(args.config, overrides), max(2, args.world_size) * dev.threads)
         dev = dataclasses.replace(dev, calibration={**dev.calibration, "concurrency": curve,
                                                     "concurrency_workload": "this config's trainer"})
+    unbounded = args.complete or args.exhaustive
     planner = Planner(args.config, overrides, args.world_size, dev, top=max(args.top, args.measure),
-                      skew=args.ep_skew, exhaustive=args.exhaustive, layer_times=lt,
-                      trace_budget_s=args.trace_budget_s or math.inf, sim_budget_s=args.sim_budget_s,
-                      time_budget_s=args.time_budget_s, log=log,
-                      pairs=pairs)
+                      skew=args.ep_skew, exhaustive=args.exhaustive, complete=args.complete, layer_times=lt,
+                      trace_budget_s=args.trace_budget_s or math.inf, sim_budget_s=args.sim_budget_s or math.inf,
+                      time_budget_s=math.inf if unbounded else args.time_budget_s, log=log, space=space,
+                      store=not args.no_cache, exact_memory=args.exact_memory)
     planner.enum_s = t_enum
     res = planner.run()
     return _Planned(planner, res, dev, lt, cal_file, cal_before, others)
@@ -185,12 +204,17 @@ def _place_reference(args: argparse.Namespace, overrides: list[str], ref_over: l
     if not ref_over:
         return None
     from k3train.planning.search.layouts import canonical  # lazy: torch is not loaded before the config is checked
+    from k3train.planning.search.rows import Row  # lazy: as above
 
-    ref_lay = canonical(load_config(args.config, overrides + ref_over, world_size=args.world_size))
+    ref_cfg = load_config(args.config, overrides + ref_over, world_size=args.world_size)
+    ref_lay = canonical(ref_cfg)
     ref_row = next((r for r in res.rows if r.layout == ref_lay), None)
+    if ref_row is None and res.layouts > len(res.rows):  # the search never made its row: it does now
+        ref_row = Row(layout=ref_lay, cfg=ref_cfg, skipped="not examined")
+        res.rows.append(ref_row)
     if ref_row is not None and ref_row.pred is None:
         ref_row.skipped = ""
-        ref_row.pred = _predict_one(planner, ref_row, res)
+        ref_row.pred = planner.predict(ref_row)
     if ref_row is not None and ref_row.peak_bytes is None and ref_row.fits is not False:
         planner.trace(ref_row)
     return ref_row  # a fitting reference competes like any traced layout
@@ -224,6 +248,7 @@ def _print_plan(args: argparse.Namespace, planner: Any, res: Any, lt: Any, ranke
     reference's place, the chosen layout and the seconds each phase took."""
     from k3train.planning.search.report import format_table  # lazy: torch (after the config check)
 
+    print(status_line(res, chosen))
     print(res.device.describe())
     anchor = lt.anchor(res.base_cfg) if lt is not None else None
     if anchor is not None:
@@ -248,7 +273,7 @@ def _print_plan(args: argparse.Namespace, planner: Any, res: Any, lt: Any, ranke
         if ref_row not in show and ref_row.pred is not None and ref_row.peak_bytes is not None:
             print(format_table(res, [ref_row]).splitlines()[1])
         if ref_row.pred is not None:
-            print(f"  {exposed_line(_predict_one(planner, ref_row, res, split_p2p=True))}")
+            print(f"  {exposed_line(planner.predict(ref_row, split_p2p=True))}")
     if chosen is not None:
         print(f"chosen: {chosen.layout.short()}  ({' '.join(chosen.layout.overrides())})")
         print(f"  {exposed_line(chosen.pred)}")
@@ -329,18 +354,8 @@ def _load_line() -> str:
     return f"load average {one:.2f} / {five:.2f} over 1 / 5 min on {os.cpu_count()} cores"
 
 
-def _predict_one(planner, row, res, split_p2p=False):  # noqa: ANN001, ANN202
-    from k3train.planning.programs import pairs_actions  # lazy: torch is not loaded before the config is checked
-    from k3train.planning.search.layouts import Validator  # lazy: as above
-    from k3train.planning.step_time.facts import ParamFacts  # lazy: as above
-    from k3train.planning.step_time.predict import predict  # lazy: as above
-
-    facts = ParamFacts.build(res.base_cfg)
-    part = Validator(res.base_cfg, res.world).partition(row.cfg)
-    opt_times = planner.lt.optimizer_in_trainer(res.base_cfg, facts.infos) if planner.lt is not None else None
-    return predict(row.cfg, row.layout, part, planner.programs(row.layout, row.cfg.train.grad_accum_steps,
-                                                       pairs_actions(row.cfg)),
-                   planner.dev, facts, planner.lt, planner.skew, opt_times, split_p2p=split_p2p)
+def _predict_one(planner, row, res):  # noqa: ANN001, ANN202 - select.py's prediction callback
+    return planner.predict(row)
 
 
 _KIND_NAMES = {"ep_all_to_all": "EP all-to-all", "moonep_replicas": "MoonEP replica transfers", "kcp": "KCP",
@@ -357,6 +372,23 @@ def exposed_line(pred) -> str:  # noqa: ANN001
     if "p2p_in_bubble_s" in pred.detail:
         s += f"; pipeline p2p {100 * pred.detail['p2p_in_bubble_s'] / pred.step_s:.1f}% (inside the bubble)"
     return s
+
+
+def status_line(res, chosen) -> str:  # noqa: ANN001
+    """The plan's first line: its answer, and whether it is proven best within the model or only the best so
+    far (a budget ended the search: what was left that could still beat it)."""
+    st = res.status
+    name = (f"{chosen.layout.short()}, {chosen.pred.step_s:.4g} s a step" if chosen is not None else "no layout fits")
+    if st.proven:
+        return (f"best: {name} -- proven best of the {res.layouts} layouts within the model (the rest cannot be "
+                f"faster or does not fit)" if chosen is not None else
+                f"no layout fits {res.device.hbm_bytes / 2**30:.1f} GiB -- proven over all {res.layouts} layouts")
+    why = (f"the {st.stopped_by} ended the search" if st.stopped_by else "the search ended")
+    left = (f"{st.left} layouts left whose step-time lower bound is below it"
+            + (f" (from {st.lowest_left_s:.4g} s)" if st.lowest_left_s is not None else ""))
+    heur = (f"; {st.heuristic} ruled out as needing more memory than a layout traced too big, untraced"
+            if st.heuristic else "")
+    return (f"BEST SO FAR, NOT PROVEN: {name}; {why}: {left}{heur} (raise --time-budget-s, or --complete)")
 
 
 def _lb(rows) -> str:  # noqa: ANN001

@@ -90,6 +90,20 @@ class Config:
         check_vision(self)
         return self
 
+    def validate_layout(self, world_size: int) -> Config:
+        """The checks of :meth:`validate` that read a layout key (``parallel.pp / vpp / dp / cp / ep / zero /
+        moonep / recompute / schedule / overlap_ep / pp_layers``, ``train.micro_batch_size``), in its order, with
+        their derived fields -- for a copy of a config that :meth:`validate` accepted with only layout keys
+        changed to positive values: the other checks (model, optim, data, logging, collective timeout,
+        checkpoint, vision; the sizes' ``>= 0``) read none or pass for them, so :meth:`validate` fails exactly
+        where this does, with the same error.
+        The planner checks a hundred thousand layouts of one config with it (tests/planning/test_plan.py checks
+        the two against each other)."""
+        check_parallel(self, world_size)
+        check_train(self)
+        check_objective(self)
+        return self
+
     def ep_overlap(self) -> tuple[bool, str]:
         """Whether ``parallel.overlap_ep`` pairs the forward of micro-batch m+1 with the backward of micro-batch m
         in this run (validated config), and why not when it does not (for the log line)."""

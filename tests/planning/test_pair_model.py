@@ -138,7 +138,8 @@ def test_step_time_lower_bound_is_below_every_prediction(slow):
     and 1F1B, cp, ep, MoonEP, recompute, paired and not), on a device where compute dominates and on one where
     the expert all-to-all is as long as compute (the paired bound's comm term binds)."""
     from k3train.planning.calibration.devices import PUBLISHED
-    from k3train.planning.search.layouts import Validator, enumerate_layouts
+    from k3train.planning.search.layouts import Validator
+    from k3train.planning.search.space import enumerate_layouts
     from k3train.planning.search.planner import Planner
     from k3train.planning.programs import pairs_actions
     from k3train.planning.search.time_bound import compute_lower_bound

@@ -25,7 +25,8 @@ def _env() -> dict[str, str]:
 
 def test_enumeration_is_exactly_the_valid_layouts():
     from k3train.config import load_config
-    from k3train.planning.search.layouts import Validator, canonical, enumerate_layouts
+    from k3train.planning.search.layouts import Validator, canonical
+    from k3train.planning.search.space import enumerate_layouts
     from k3train.preflight import validate_run
 
     W = 2

@@ -3,6 +3,7 @@ stands for each, what their bytes depend on (and so how they are cached), and ea
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -75,15 +76,30 @@ def piece_local_experts(model: nn.Module, a: int, b: int, last: bool, sub: str |
                default=0)
 
 
+def _local_experts(model: nn.Module, cache: dict, a: int, b: int, last: bool, sub: str | None) -> int:
+    """:func:`piece_local_experts`, kept in ``cache`` for a model that says its expert-parallel size without being
+    built (``lazy_ep``: the planner's :class:`~k3train.planning.memory.cache.LazyModel`; a piece found in the
+    cache then needs no model)."""
+    ep = getattr(model, "lazy_ep", None)
+    if ep is None:
+        return piece_local_experts(model, a, b, last, sub)
+    key = ("local experts", ep, a, b, last, sub)
+    if key not in cache:
+        cache[key] = piece_local_experts(model, a, b, last, sub)
+    return cache[key]
+
+
 def trace_piece(cfg: Config, model: nn.Module, fake: FakeTensorMode, cache: dict, key: tuple, a: int, b: int,
                 fst: bool, lst: bool, sub: str | None = None, chunks: tuple[int, ...] = (), kind: str = "", *,
                 B: int, T: int, cp_rank: int = 0, media: MediaCase | None = None,
-                deadline: float | None = None) -> tuple[int, int, int]:
+                deadline: float | None = None, at: int | None = None, clamp: bool = True) -> tuple[Any, ...]:
     """``(saved, f_peak, b_peak)`` of one composed piece (layers ``[a, b)``, or sublayer ``sub`` of layer ``a``;
     see :func:`trace_range`) for a micro-batch of ``B`` rows of ``T`` tokens on CP rank ``cp_rank``: each byte count
     fitted exactly through traces at :func:`piece_tokens`' token counts and evaluated at ``B x T``; ``cache``
     holds the fits by what the traces depend on (the comment on ``TRACE_BUDGET`` in
-    :mod:`k3train.planning.memory.compose`)."""
+    :mod:`k3train.planning.memory.compose`). ``at``: the same fits (those of ``B x T``) evaluated at ``at``
+    tokens instead (``at=0``: their constant terms, what the planner's bounds scale a row's bytes by);
+    ``clamp=False``: as floats, not rounded to bytes >= 0."""
     recompute = cfg.parallel.recompute
     unit = recompute_unit(cfg, recompute)
     chunk_rc = recompute and unit is None  # the whole chunk one region: pieces traced without recomputation
@@ -101,11 +117,11 @@ def trace_piece(cfg: Config, model: nn.Module, fake: FakeTensorMode, cache: dict
     pts = piece_tokens(B * T, list(chunks), base)
     if C > CP_TRACED_MAX and key != ("embed",):
         line = _on_cp_line(cfg, model, fake, cache, key, a, b, fst, lst, sub, chunks, kind, B=B, T=T,
-                           cp_rank=cp_rank, media=media, deadline=deadline)
+                           cp_rank=cp_rank, media=media, deadline=deadline, at=at, clamp=clamp)
         if line is not None:
-            return line
+            return _bytes(line, clamp)
     ck = key + (B, C, cfg.train.dtype, cfg.parallel.mla_cp_balance if C > 1 else None,
-                None if chunk_rc else unit, pts, piece_local_experts(model, a, b, lst, sub)) + (
+                None if chunk_rc else unit, pts, _local_experts(model, cache, a, b, lst, sub)) + (
                     (media, cfg.parallel.recompute) if key == ("embed",) else ())
     if ck not in cache:
         fits = []
@@ -127,15 +143,21 @@ def trace_piece(cfg: Config, model: nn.Module, fake: FakeTensorMode, cache: dict
             fits.append([(f[0], f[1] + (y1[k] - ys[0][k]) / pts[0], f[2]) for k, f in enumerate(fits[0])])
         cache[ck] = fits
     fits = cache[ck]
-    vals = [poly(f, B * T) for f in fits[0]]
+    t = B * T if at is None else at
+    vals = [poly(f, t) for f in fits[0]]
     if len(fits) > 1:
         nk = [mla_key_segments(cfg, r) for r in range(min(C, 2))]
         if nk[1] != nk[0]:
             w = (mla_key_segments(cfg, cp_rank) - nk[0]) / (nk[1] - nk[0])
-            vals = [y0 + w * (poly(f1, B * T) - y0) for y0, f1 in zip(vals, fits[1])]
+            vals = [y0 + w * (poly(f1, t) - y0) for y0, f1 in zip(vals, fits[1])]
         else:  # cp = 2 balanced: both ranks attend over both segments
-            vals = [max(y0, poly(f1, B * T)) for y0, f1 in zip(vals, fits[1])]
-    return tuple(max(0, int(round(y))) for y in vals)
+            vals = [max(y0, poly(f1, t)) for y0, f1 in zip(vals, fits[1])]
+    return _bytes(vals, clamp)
+
+
+def _bytes(vals: Any, clamp: bool) -> tuple[Any, ...]:
+    """Byte counts (rounded, >= 0) or, unclamped, the values as they are."""
+    return tuple(max(0, int(round(y))) for y in vals) if clamp else tuple(float(y) for y in vals)
 
 
 # Above this CP size a cp-dependent piece (a token mixer, a layer, the head) is not traced at its cp: what it holds is
@@ -153,7 +175,8 @@ CP_LINE = (4, 6, 8)
 
 def _on_cp_line(cfg: Config, model: nn.Module, fake: FakeTensorMode, cache: dict, key: tuple, a: int, b: int,
                 fst: bool, lst: bool, sub: str | None, chunks: tuple[int, ...], kind: str, *, B: int, T: int,
-                cp_rank: int, media: MediaCase | None, deadline: float | None) -> tuple[int, int, int] | None:
+                cp_rank: int, media: MediaCase | None, deadline: float | None,
+                at: int | None = None, clamp: bool = True) -> tuple[float, ...] | None:
     """:func:`trace_piece` at ``cfg.parallel.cp`` from its values at CP_LINE (see above): each byte count of CP
     ranks 0 and 1 extended on its line in the cp, rank ``cp_rank`` placed between them by its MLA key segments as
     :func:`trace_piece` does; None when the points are not on one line (then the piece is traced at its cp)."""
@@ -165,7 +188,7 @@ def _on_cp_line(cfg: Config, model: nn.Module, fake: FakeTensorMode, cache: dict
         for c in CP_LINE:
             cc = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, cp=c))
             pts.append(trace_piece(cc, model, fake, cache, key, a, b, fst, lst, sub, chunks, kind, B=B, T=T,
-                                   cp_rank=r, media=media, deadline=deadline))
+                                   cp_rank=r, media=media, deadline=deadline, at=at, clamp=clamp))
         (c0, c1, c2), line = CP_LINE, []
         for y0, y1, y2 in zip(*pts):
             slope = (y2 - y1) / (c2 - c1)
@@ -178,4 +201,4 @@ def _on_cp_line(cfg: Config, model: nn.Module, fake: FakeTensorMode, cache: dict
         nk = [mla_key_segments(cfg, r) for r in (0, 1)]
         w = (mla_key_segments(cfg, cp_rank) - nk[0]) / (nk[1] - nk[0]) if nk[1] != nk[0] else 0.0
         out = [y0 + w * (y1 - y0) for y0, y1 in zip(vals[0], vals[1])]
-    return tuple(max(0, int(round(y))) for y in out)
+    return tuple(out)

@@ -1,5 +1,5 @@
 """The descent: what a layout traced too big says about its family (marked too big without a trace), and which of
-its neighbours, holding less per rank, are examined next; the family and sibling keys it reads."""
+its neighbours, holding less per rank, are examined next; the family key it reads."""
 from __future__ import annotations
 
 from collections import deque
@@ -12,11 +12,6 @@ from k3train.planning.search.rows import Row
 def family_key(lay: Layout) -> tuple:
     """Layouts whose per-rank memory orders by (zero, micro-batch, cp, ep) alone (:func:`too_big_follow_ups`)."""
     return (lay.pp, lay.vpp, lay.schedule, lay.recompute, lay.moonep, lay.overlap_ep)
-
-
-def sibling_key(lay: Layout) -> tuple:
-    """Layouts that differ only in vpp and schedule (examined after one of them fits)."""
-    return (lay.pp, lay.dp, lay.cp, lay.ep, lay.moonep, lay.zero, lay.mbs, lay.recompute, lay.overlap_ep)
 
 
 def without_recompute(lay: Layout) -> Layout:

@@ -4,11 +4,11 @@ A layout is ``pp, vpp, dp, cp, ep, moonep, zero, micro_batch_size, recompute, sc
 batch and everything else of the config stay fixed). A layout is VALID iff it passes the validation every run goes through
 (``k3train.preflight.validate_run(..., for_training=False)``: ``Config.validate`` for the world size, then
 ``check_layout``: the project's partitioner and the schedule builder). :func:`enumerate_layouts` runs exactly those
-checks, with two speed-ups that change no answer: the base config is parsed once (each candidate is a copy with
-its layout fields set), and the partition / schedule of a ``(pp, vpp, seq_len)`` / ``(schedule, pp, vpp, M)`` is
+checks, with two speed-ups that change no answer: the base config is parsed and validated once (each candidate is a
+copy with its layout fields set, checked by ``Config.validate_layout``), and the partition / schedule of a ``(pp, vpp, seq_len)`` / ``(schedule, pp, vpp, M)`` is
 built once and reused (both are pure functions of those arguments). Candidates are drawn from the divisors of the
 world size, the global batch and ``num_experts`` -- values outside them fail ``Config.validate`` anyway (the
-tests check this against a brute force over every value).
+tests check this against a brute force over every value). The enumeration itself, by cores: :mod:`.space`.
 
 Equivalent spellings are listed once, in canonical form: ``vpp=1`` and schedule ``none`` without a pipeline
 (``build_partition`` ignores both at pp=1), the RESOLVED schedule name (``auto`` / ``interleaved`` at vpp=1 run
@@ -21,11 +21,10 @@ enumerated.
 from __future__ import annotations
 
 import copy
-import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable
 
-from k3train.config import Config, ConfigError, load_config
+from k3train.config import Config, ConfigError
 from parallel.pipeline.partition import build_partition
 from parallel.pipeline.schedules import check_schedule, resolve_schedule
 
@@ -131,15 +130,16 @@ class Validator:
     def check(self, values: dict[str, Any]) -> Config:
         """The base config with ``values`` (layout dims) set, validated as ``validate_run(for_training=False)``
         does; raises ConfigError (or ParallelConfigError) when the layout is not accepted."""
-        # a copy with fresh parallel/train sections (validate writes derived fields there); the model section is
-        # shared: validate only re-derives its layer lists, identically for every layout
+        # a copy with fresh parallel/train sections (the checks write derived fields there); the other sections
+        # are shared: the base passed Config.validate, and only the checks that read a layout key run again
+        # (Config.validate_layout: the same verdict and error as validate for this copy)
         cfg = copy.copy(self.base)
-        cfg.parallel, cfg.train = dataclasses.replace(self.base.parallel), dataclasses.replace(self.base.train)
+        cfg.parallel, cfg.train = copy.copy(self.base.parallel), copy.copy(self.base.train)
         for k, v in values.items():
             sec, _, name = KEYS[k].partition(".")
             setattr(getattr(cfg, sec), name, v)
         cfg.parallel.pp_layers = list(self.base.parallel.pp_layers) if "pp" not in values else []
-        cfg.validate(self.world)
+        cfg.validate_layout(self.world)
         self.partition(cfg)  # check_layout: the partitioner ...
         p = cfg.parallel
         if p.pp > 1 and cfg.train.grad_accum_steps:  # ... and the schedule
@@ -174,7 +174,7 @@ def candidate_values(base: Config, world: int, pinned: dict[str, str]) -> dict[s
     return vals
 
 
-def _schedules_to_try(names: list[str], pp: int) -> list[str]:
+def schedules_to_try(names: list[str], pp: int) -> list[str]:
     """Schedule names to validate at ``pp``: one at pp = 1 (ignored there); ``auto`` only when pinned, since it
     resolves to ``interleaved`` or ``1f1b``, both tried anyway (same canonical layout)."""
     if pp == 1:
@@ -191,65 +191,3 @@ def layout_config(core: Config, lay: Layout) -> Config:
     cfg.parallel.zero, cfg.parallel.moonep, cfg.parallel.recompute = lay.zero, lay.moonep, lay.recompute
     cfg.parallel.overlap_ep = lay.overlap_ep
     return cfg
-
-
-def enumerate_layouts(config: str, overrides: list[str], world_size: int) -> tuple[list[tuple[Layout, Config]], int]:
-    """``([(layout, validated config)], candidates checked)`` for every valid layout (canonical, deduplicated,
-    sorted). The base config (``config`` + ``overrides``) must itself load; layout dims in ``overrides`` pin.
-
-    The core ``(pp, vpp, dp, cp, ep, micro_batch_size, schedule)`` is validated (``Validator.check``); ``zero``,
-    ``moonep``, ``recompute`` and ``overlap_ep`` are then every value validation accepts for them --
-    ``Config.validate`` checks them for membership only, independent of everything else (the tests check the
-    product against ``Validator.check`` of every full combination); ``overlap_ep`` only where pairing applies to
-    the core (``Config.ep_overlap``). The configs of one core share their model/train sections."""
-    base = load_config(config, overrides)
-    pinned = pinned_dims(overrides)
-    vals = candidate_values(base, world_size, pinned)
-    v = Validator(base, world_size)
-    ok_zero = [z for z in vals["zero"] if z in (0, 1, 2)]
-    seen: dict[Layout, Config] = {}
-    checked = 0
-    pin_dp = int(pinned["dp"]) if "dp" in pinned and pinned["dp"] != "-1" else None
-    for pp in vals["pp"]:
-        for cp in vals["cp"]:
-            if world_size % (pp * cp):
-                continue
-            dp = world_size // (pp * cp)
-            if pin_dp is not None and dp != pin_dp:
-                continue
-            for vpp in (vals["vpp"] if pp > 1 else [vals["vpp"][0] if len(vals["vpp"]) == 1 else 1]):
-                if pp * vpp > base.model.num_hidden_layers and not base.parallel.pp_layers:
-                    break
-                for mbs in vals["mbs"]:
-                    if base.train.global_batch_size % (mbs * dp):
-                        continue
-                    M = base.train.global_batch_size // (mbs * dp)
-                    if pp > 1 and vpp > 1 and M % pp:
-                        continue
-                    for ep in vals["ep"]:
-                        if (dp * cp) % ep:
-                            continue
-                        for sched in _schedules_to_try(vals["schedule"], pp):
-                            checked += 1
-                            try:
-                                core = v.check(dict(pp=pp, vpp=vpp, dp=dp, cp=cp, ep=ep, mbs=mbs, schedule=sched))
-                            except (ConfigError, ValueError):
-                                continue
-                            c0 = canonical(core)
-                            pairable = not core.pairing_blocker()
-                            for zero in ok_zero:
-                                for moonep in (vals["moonep"] if ep > 1 else [False]):
-                                    for rc in vals["recompute"]:
-                                        for ov in (vals["overlap_ep"] if pairable else [False]):
-                                            lay = Layout(c0.pp, c0.vpp, c0.dp, c0.cp, c0.ep, moonep, zero, c0.mbs,
-                                                         rc, c0.schedule, ov)
-                                            if lay not in seen:
-                                                seen[lay] = layout_config(core, lay)
-    # the dataclass order (field tuples), as a key: a million rich comparisons of dataclasses cost seconds
-    return sorted(seen.items(), key=lambda x: astuple_fast(x[0])), checked
-
-
-def astuple_fast(lay: Layout) -> tuple:
-    """``dataclasses.astuple(lay)`` without its recursive deep copy (Layout holds scalars only)."""
-    return (lay.pp, lay.vpp, lay.dp, lay.cp, lay.ep, lay.moonep, lay.zero, lay.mbs, lay.recompute, lay.schedule,
-            lay.overlap_ep)

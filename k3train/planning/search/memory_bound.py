@@ -78,21 +78,27 @@ def _pool_numel(facts: ParamFacts) -> float:
     return _MEMO[key][0]
 
 
-def _sublayer_pieces(seq: tuple, mixer: dict[str, tuple[int, int]], ffn_saved: dict[bool, int],
+def _sublayer_pieces(seq: tuple, mixer: dict[str, tuple[int, int]], ffn_saved: dict[bool, Any],
                      embed: tuple[int, int] | None, head: tuple[int, int] | None) -> tuple[int, int]:
     """``(saved, backward peak)`` of one chunk's sublayer pieces in order (the estimator's composition, memoised
-    by the pieces' bytes: the planner bounds a million layouts over a few thousand distinct chunks)."""
+    by the pieces' bytes: the planner bounds a million layouts over a few thousand distinct chunks); an FFN's
+    backward peak is its traced one where ``ffn_saved`` holds ``(saved, b_peak)``, else its saved bytes."""
     key = ("sublayer", seq, tuple(sorted(mixer.items())), tuple(sorted(ffn_saved.items())), embed, head)
     if key not in _MEMO:
         pieces = [embed] if embed is not None else []
         for kind, moe in seq:
             pieces.append(mixer[kind])
-            pieces.append((ffn_saved[moe],) * 2)
+            pieces.append(ffn_pair(ffn_saved[moe]))
         if head is not None:
             pieces.append(head)
         saved, _, b_peak = compose([(sv, 0, b) for sv, b in pieces])
         _MEMO[key] = (saved, b_peak)
     return _MEMO[key]
+
+
+def ffn_pair(v: Any) -> tuple[int, int]:
+    """An FFN piece's ``(saved, backward peak)`` from ``ffn_saved``'s value: the pair, or saved bytes alone."""
+    return (int(v[0]), int(v[1])) if isinstance(v, tuple) else (int(v), int(v))
 
 
 def static_memory_lower_bound(facts: ParamFacts, cfg: Any, part: Any, pp: int, dpcp: int, ep: int,
@@ -169,27 +175,30 @@ def static_memory_lower_bound(facts: ParamFacts, cfg: Any, part: Any, pp: int, d
 
 def _activations(cfg: Any, part: Any, r: int, pp: int, chunks: list, layers: list[tuple[int, int, tuple]],
                  flight: tuple[dict[int, int], int], h: int, recompute: str | None,
-                 ffn_saved: dict[bool, int] | None, mixer: dict[str, tuple[int, int]] | None,
+                 ffn_saved: dict[bool, Any] | None, mixer: dict[str, tuple[int, int]] | None,
                  ends: dict[str, tuple[int, int]] | None) -> float:
     """What pipeline rank ``r``'s forwards in flight keep (``flight``: ``({local chunk: forwards}, chunk of the first
     backward)``), and its first backward, per :func:`static_memory_lower_bound`'s rules (``layers``: the rank's
     :func:`_chunk_layers`; ``h``: one hidden state's bytes)."""
     fwd, first_b = flight
-    if recompute == "chunk":
-        act = (sum(fwd.values()) - 1 + 2 * (chunks[first_b][1] - chunks[first_b][0])) * h
-    elif recompute == "sublayer" and ffn_saved is not None and mixer is not None:
-        def pieces(c: int) -> tuple[int, int]:  # (saved, backward peak) of chunk c's pieces
-            embed = ends["embed"] if ends is not None and r == 0 and c == 0 else None
-            head = ends["head"] if ends is not None and r == pp - 1 and c == len(chunks) - 1 else None
-            return _sublayer_pieces(layers[c][2], mixer, ffn_saved, embed, head)
 
+    def pieces(c: int) -> tuple[int, int]:  # (saved, backward peak) of chunk c's pieces
+        embed = ends["embed"] if ends is not None and r == 0 and c == 0 else None
+        head = ends["head"] if ends is not None and r == pp - 1 and c == len(chunks) - 1 else None
+        return _sublayer_pieces(layers[c][2], mixer, ffn_saved, embed, head)
+
+    if recompute == "chunk":  # a forward keeps only its input (received: below); the first backward recomputes
+        # its chunk, every layer's activations at once: the pieces traced without recomputation, composed
+        act = (pieces(first_b)[1] if ffn_saved is not None and mixer is not None
+               else 2 * (chunks[first_b][1] - chunks[first_b][0]) * h)
+    elif recompute in ("sublayer", None) and ffn_saved is not None and mixer is not None:
         saved = {c: pieces(c)[0] for c in set(fwd) | {first_b}}
         act = sum(k * saved[c] for c, k in fwd.items()) - saved[first_b] + pieces(first_b)[1]
     elif recompute in ("sublayer", None) and ffn_saved is not None:
         def kept(c: int) -> int:  # one hidden state per mixer, the traced bytes per FFN
             n_layers, n_moe, _ = layers[c]
-            return (n_layers * h + (n_moe * ffn_saved[True] if n_moe else 0)
-                    + ((n_layers - n_moe) * ffn_saved[False] if n_layers > n_moe else 0))
+            return (n_layers * h + (n_moe * ffn_pair(ffn_saved[True])[0] if n_moe else 0)
+                    + ((n_layers - n_moe) * ffn_pair(ffn_saved[False])[0] if n_layers > n_moe else 0))
 
         act = sum(k * kept(c) for c, k in fwd.items())
     else:

@@ -3,14 +3,33 @@ from __future__ import annotations
 
 from typing import Any
 
-from k3train.planning.search.rows import Row
+from k3train.planning.search.rows import Row, SearchStatus
 
 
 def memory_bound_note(n_bound: int, hbm: float) -> str:
     return (f"{n_bound} layouts exceed {hbm / 2**30:.1f} GiB on weights + gradients + "
             f"optimizer state, or weights + optimizer state + the partial sums of each forward before "
-            f"the first backward (under sublayer recomputation: what each FFN sublayer's traced piece "
-            f"keeps), alone: dropped without a trace")
+            f"the first backward (with what each FFN sublayer's traced piece keeps), alone: dropped without a "
+            f"trace")
+
+
+def plan_notes(rows: list[Row], planner: Any, counts: Any, status: SearchStatus) -> list[str]:
+    """The notes of a plan: what its bounds left out, why each row it did not rank was skipped, what it traced."""
+    hbm = planner.dev.hbm_bytes
+    notes = []
+    n_bound = sum(r.skipped == "bound" for r in rows) - counts.n_mixer - counts.n_late + counts.dropped_cores
+    if n_bound:
+        notes.append(memory_bound_note(n_bound, hbm))
+    if counts.dropped_cores:
+        notes.append(f"{counts.dropped_cores} of them with their core: even its least memory-hungry layout (top "
+                     f"ZeRO stage, recomputation, no MoonEP, unpaired) is over it")
+    notes += skip_notes(rows, planner, counts.n_mixer, counts.n_late)
+    if counts.n_upper:
+        notes.append(f"{counts.n_upper} layouts fit on an upper bound of their peak, untraced (peak '<=' in the "
+                     f"table; --exact-memory traces them)")
+    notes.append(f"memory traced for {counts.n_traced} layouts in {counts.t_mem:.1f} s; {counts.n_sim} layouts "
+                 f"simulated in {counts.t_sim:.1f} s")
+    return notes
 
 
 def skip_notes(rows: list[Row], planner: Any, n_mixer: int, n_late: int) -> list[str]:
@@ -27,8 +46,8 @@ def skip_notes(rows: list[Row], planner: Any, n_mixer: int, n_late: int) -> list
             "too big",
         "trace budget": f"layouts predicted but not traced: memory trace budget ({planner.trace_budget_s:.0f} s) "
                         "spent",
-        "simulation budget": "layouts with the largest step-time lower bounds not simulated: simulation "
-                             f"budget ({planner.sim_budget_s:.0f} s) spent",
+        "simulation budget": "layouts not simulated: simulation budget "
+                             f"({planner.sim_budget_s:.0f} s) spent",
         "time budget": f"layouts not simulated or traced: the plan's time budget ({planner.time_budget_s:.0f} s, "
                        "enumeration included) spent",
     }

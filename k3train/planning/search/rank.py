@@ -1,13 +1,26 @@
-"""The ranking: branch and bound over predicted step time, tracing the memory of the contenders.
+"""The ranking: best first over the whole layout space by step-time lower bounds, every skip a bound.
 
-Best first: a row enters a queue at its step-time lower bound; when it reaches the front it is simulated and
-re-enters at its prediction (every bound is at most its prediction), so rows are TRACED in predicted order -- a row
-is traced only when no row not yet traced can be predicted faster -- and the trace budget goes to the fastest
-layouts first (in lower-bound order, a layout bounded low but predicted slow took a trace of minutes before faster
-ones). Once ``top`` layouts that FIT are known, a row whose bound (or prediction) is not below the ``top``-th of them
-cannot enter the ranking (``skipped: 'slower'``); a recompute layout whose twin without recomputation fits is
-dominated. Neighbours of traced layouts are examined next, ahead of the queue: a fitting layout's other vpp /
-schedule variants, a too-big one's descent (:mod:`k3train.planning.search.descend`).
+One priority queue holds, by a lower bound on the predicted step time of what they stand for, smallest first:
+
+* a FAMILY of cores (same pp, dp, cp, micro-batch size, ep, MoonEP; :func:`~.time_bound.family_lower_bound`):
+  popped, its cores enter at their own bounds -- or leave at once, all their layouts with them, when even their
+  least memory-hungry layout (top ZeRO stage, recomputation, no MoonEP, unpaired) is over the static memory bound;
+* a CORE (:class:`~.space.Core`): popped, its layouts enter as rows at their lower bounds
+  (:func:`~.time_bound.compute_lower_bound`), those over their static memory bound left out;
+* a ROW at its lower bound: popped, its memory bound is refined with its token mixers' traced pieces (over the
+  device: left out), else it is simulated and re-enters at its prediction (every bound is at most it);
+* a ROW at its prediction: popped, nothing left can be predicted faster, so its memory is decided -- the bound
+  with the end pieces over the device: too big; the upper bound (:mod:`.memory_upper`) within it: fits, untraced;
+  else its estimate -- and a fitting row is the next of the ranking.
+
+The search ends when ``top`` rows fit: nothing left can beat them, the ranking is PROVEN within the model (the
+step-time model and the memory estimator; skips by bounds only). A budget (time, simulation, traces) may end it
+first: then the result says so, with the best layout so far and what was left that could still beat it. Outside
+``complete`` mode (the reference search: no budget, no heuristic) two heuristics of the planner act, and are
+counted against the proof: a recompute layout whose twin without recomputation fits is dominated (it only
+affects the ranks after that twin), and a layout traced too big marks too big, untraced, the layouts of its family
+that hold at least as much per rank (:func:`~.descend.too_big_follow_ups`, whose lighter neighbours are simulated
+next). ``exhaustive`` simulates and traces every layout (small spaces: the tests' reference for the memory).
 """
 from __future__ import annotations
 
@@ -15,188 +28,264 @@ import heapq
 import math
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from k3train.planning.memory.limits import TraceDeadline
-from k3train.planning.programs import pairs_actions
-from k3train.planning.search.descend import family_key, sibling_key, too_big_follow_ups, without_recompute
-from k3train.planning.search.layouts import Layout, Validator
+from k3train.planning.search.descend import family_key, too_big_follow_ups, without_recompute
+from k3train.planning.search.layouts import Layout
 from k3train.planning.search.piece_bounds import PieceBounds
 from k3train.planning.search.report import gib
-from k3train.planning.search.rows import Row
-from k3train.planning.step_time.facts import ParamFacts
-from k3train.planning.step_time.predict import predict
+from k3train.planning.search.rows import Row, SearchStatus
 
-if TYPE_CHECKING:
-    from k3train.planning.search.planner import Planner
+FAMILY, CORE, ROW, PREDICTED = range(4)  # what a queue entry stands for
+
+
+@dataclass
+class SearchSettings:
+    """What bounds a search: how many fitting rows it ranks, the device's bytes, its budgets (``t_end``: the
+    ``time.perf_counter()`` it stops at), its mode and how often it says where it is (``progress_s``)."""
+    top: int
+    hbm: float
+    t_end: float = math.inf
+    sim_budget_s: float = math.inf
+    trace_budget_s: float = math.inf
+    exhaustive: bool = False
+    complete: bool = False
+    progress_s: float = 10.0
+
+
+@dataclass
+class SearchHooks:
+    """What the search calls for the planner: a family's / core's bounds (time; and the core's least memory),
+    a core's rows (static memory bounds set), a row's time bound, its prediction, its estimate, its upper
+    bound, and the log."""
+    family_bound: Callable[[Any], float]
+    core_bound: Callable[[Any], tuple[float, int]]
+    rows_of: Callable[[Any], list[Row]]
+    count: Callable[[Any], int]
+    row_bound: Callable[[Row], float]
+    predict: Callable[[Row], Any]
+    trace: Callable[[Row, float | None], None]
+    upper: Callable[[Row, float | None], int | None]
+    log: Callable[..., None]
+
+
+@dataclass
+class Counts:
+    """What a search did: seconds simulating and tracing, rows simulated / traced, dropped on each refined bound."""
+    t_sim: float = 0.0
+    t_mem: float = 0.0
+    n_sim: int = 0
+    n_traced: int = 0
+    n_mixer: int = 0
+    n_late: int = 0
+    n_upper: int = 0
+    dropped_cores: int = 0  # layouts left out with their core (its least memory-hungry layout over the bound)
+    rows: list[Row] = field(default_factory=list)
 
 
 class Search:
-    """One plan's ranking phase over the rows left by the bounds (``live``, sorted by their step-time lower bound):
-    the queue, the layouts examined (``seen``), the fitting predictions, and the seconds and counts it spent."""
+    """One plan's search over ``families`` (lists of cores) with ``bounds`` (module docstring)."""
 
-    def __init__(self, planner: Planner, live: list[Row], bounds: PieceBounds, facts: ParamFacts, val: Validator,
-                 opt_times: dict[str, float] | None, t_end: float) -> None:
-        self.p, self.bounds, self.facts, self.val, self.opt_times, self.t_end = (planner, bounds, facts, val,
-                                                                                  opt_times, t_end)
-        self.fitting: list[float] = []
+    def __init__(self, s: SearchSettings, h: SearchHooks, bounds: PieceBounds, families: list[list[Any]]) -> None:
+        self.s, self.h, self.bounds = s, h, bounds
+        self.c = Counts()
+        self.heap: list[tuple[float, int, int, Any]] = []
+        self.seq = 0
+        for fam in families:
+            self._push(h.family_bound(fam[0]), FAMILY, fam)
+        self.fitting: list[Row] = []
         self.fits_norc: set[Layout] = set()
-        self.t_sim = self.t_mem = 0.0
-        self.n_traced = self.n_late = self.n_mixer = 0
-        self.by_layout = {r.layout: r for r in live}
+        self.by_layout: dict[Layout, Row] = {}
         self.families: dict[tuple, list[Row]] = {}
-        self.siblings: dict[tuple, list[Row]] = {}  # same dims and memory knobs, another vpp / schedule
-        for r in live:
-            self.families.setdefault(family_key(r.layout), []).append(r)
-            self.siblings.setdefault(sibling_key(r.layout), []).append(r)
         self.seen: set[Layout] = set()
-        self.urgent: deque[Row] = deque()  # neighbours of traced layouts (descend, siblings): next
-        self.heap: list[tuple[float, int, Row]] = [(r.lower_bound_s, i, r) for i, r in enumerate(live)]  # sorted
-        self.index = {r.layout: i for i, r in enumerate(live)}
+        self.urgent: deque[Row] = deque()  # lighter neighbours of a layout traced too big: simulated next
+        self.heuristic: list[Row] = []  # rows ruled out by a heuristic (module docstring)
+        self.status = SearchStatus()
+        self.t0 = self.t_report = time.perf_counter()
 
-    def run(self) -> None:
-        while True:
-            r, from_urgent = self.next_row()
-            if r is None:
+    def _push(self, key: float, tag: int, item: Any) -> None:
+        heapq.heappush(self.heap, (key, self.seq, tag, item))
+        self.seq += 1
+
+    @property
+    def budgeted(self) -> bool:
+        return not (self.s.complete or self.s.exhaustive)
+
+    def run(self) -> SearchStatus:
+        while self.heap or self.urgent:
+            if self.budgeted and time.perf_counter() > self.s.t_end:
+                return self._stop("time budget")
+            if self.budgeted and self.c.t_sim > self.s.sim_budget_s:
+                return self._stop("simulation budget")
+            if not self.s.exhaustive and len(self.fitting) >= self.s.top:
                 break
-            self.step(r, from_urgent)
+            self._progress()
+            if self.urgent:
+                self._simulate_urgent(self.urgent.popleft())
+                continue
+            key, _, tag, item = heapq.heappop(self.heap)
+            if tag == FAMILY:
+                self._expand_family(item)
+            elif tag == CORE:
+                self._expand_core(item)
+            elif item.layout not in self.seen:
+                (self._at_bound if tag == ROW else self._at_prediction)(item)
+        return self._stop("")
 
-    def next_row(self) -> tuple[Row | None, bool]:
-        while self.urgent or self.heap:
-            from_urgent = bool(self.urgent)
-            r = self.urgent.popleft() if from_urgent else heapq.heappop(self.heap)[2]
-            if r.layout not in self.seen:
-                return r, from_urgent
-        return None, False
+    def _expand_family(self, cores: list[Any]) -> None:
+        for core in cores:
+            t_lb, mem = self.h.core_bound(core)
+            if mem > self.s.hbm:
+                self.c.dropped_cores += self.h.count(core)
+            else:
+                self._push(t_lb, CORE, core)
 
-    def step(self, r: Row, from_urgent: bool) -> None:
-        """``r`` at the front: cut, bounded out, simulated (and back in the queue at its prediction), or traced."""
-        top = self.p.top
-        kth = sorted(self.fitting)[top - 1] if len(self.fitting) >= top else math.inf
-        if self._cut(r, kth) or self._over_refined_bound(r):
+    def _expand_core(self, core: Any) -> None:
+        for r in self.h.rows_of(core):
+            self.c.rows.append(r)
+            self.by_layout[r.layout] = r
+            self.families.setdefault(family_key(r.layout), []).append(r)
+            if r.skipped:  # over its static memory bound
+                self.seen.add(r.layout)
+                continue
+            r.lower_bound_s = self.h.row_bound(r)
+            self._push(r.lower_bound_s, ROW, r)
+
+    def _at_bound(self, r: Row) -> None:
+        """``r`` popped at its lower bound: dominated, over its refined memory bound, or simulated."""
+        if self.budgeted and r.layout.recompute and without_recompute(r.layout) in self.fits_norc:
+            self._decide(r, "dominated")  # its twin fits and ranks first: only the ranks after it depend on it
             return
-        if r.pred is None and not self._simulate(r, from_urgent):
+        if self._over_refined_bound(r):
             return
-        self._trace_and_record(r, kth)
-
-    def _cut(self, r: Row, kth: float) -> bool:
-        """Branch and bound: no faster than the ``top``-th fitting layout, or dominated by its twin."""
-        lay, exhaustive = r.layout, self.p.exhaustive
-        if not exhaustive and (r.pred.step_s if r.pred is not None else r.lower_bound_s) >= kth:
-            self.seen.add(lay)
-            r.skipped = "slower"
-            return True
-        if not exhaustive and lay.recompute and without_recompute(lay) in self.fits_norc:
-            self.seen.add(lay)
-            r.skipped = "dominated"
-            return True
-        return False
+        self._simulate(r)
+        if r.pred is not None:
+            self._push(r.pred.step_s, PREDICTED, r)
 
     def _over_refined_bound(self, r: Row) -> bool:
-        """The bound refined with the pieces traced so far (:class:`PieceBounds`) is over the device."""
-        b, hbm = self.bounds, self.p.dev.hbm_bytes
+        """The bound refined with the token mixers' pieces (and the end pieces traced so far) over the device."""
+        b = self.bounds
         b.with_mixers(r)
-        if r.pred is None and r.bound_key in b.refine:
+        if r.bound_key in b.refine:
             b.with_known_ends(r)
-            if r.mem_bound > hbm:
-                self._too_big_with_ends(r, "(not simulated)")
-                return True
-        if b.bound[r.bound_key] != r.mem_bound:
-            r.mem_bound = b.bound[r.bound_key]
-            if r.mem_bound > hbm:
-                self.seen.add(r.layout)
-                r.fits, r.skipped = False, "bound"
-                self.n_mixer += 1
-                return True
+        r.mem_bound = max(r.mem_bound, b.bound[r.bound_key])
+        if r.mem_bound > self.s.hbm:
+            self.c.n_mixer += 1
+            r.fits = False
+            self._decide(r, "bound")
+            return True
         return False
 
-    def _simulate(self, r: Row, from_urgent: bool) -> bool:
-        """Predict ``r``; whether it goes on to its trace now (else it re-enters the queue at its prediction, or
-        a budget is spent)."""
-        p, lay = self.p, r.layout
-        if not p.exhaustive and self.t_sim > p.sim_budget_s:
-            self.seen.add(lay)
-            r.skipped = "simulation budget"
-            return False
-        if not p.exhaustive and time.perf_counter() > self.t_end:
-            self.seen.add(lay)
-            r.skipped = "time budget"
-            return False
+    def _simulate(self, r: Row) -> None:
         ts = time.perf_counter()
-        programs = p.programs(lay, r.cfg.train.grad_accum_steps, pairs_actions(r.cfg))
-        r.pred = predict(r.cfg, lay, self.val.partition(r.cfg), programs, p.dev, self.facts, p.lt, p.skew,
-                         self.opt_times)
-        self.t_sim += time.perf_counter() - ts
-        if not p.exhaustive and not from_urgent:  # re-enters at its prediction
-            heapq.heappush(self.heap, (r.pred.step_s, self.index[lay], r))
-            return False
-        return True
+        r.pred = self.h.predict(r)
+        self.c.t_sim += time.perf_counter() - ts
+        self.c.n_sim += 1
 
-    def _trace_and_record(self, r: Row, kth: float) -> None:
-        p = self.p
-        self.seen.add(r.layout)
-        if not p.exhaustive and r.pred.step_s >= kth:
-            r.skipped = "slower"
+    def _simulate_urgent(self, r: Row) -> None:
+        if r.layout in self.seen or r.pred is not None or self._over_refined_bound(r):
             return
-        if not p.exhaustive and self.t_mem > p.trace_budget_s:
-            r.skipped = "trace budget"
-            return
-        if not p.exhaustive and time.perf_counter() > self.t_end:
-            r.skipped = "time budget"
-            return
-        if self._trace(r):
-            self._record(r)
+        self._simulate(r)
+        self._push(r.pred.step_s, PREDICTED, r)
 
-    def _trace(self, r: Row) -> bool:
-        """``r``'s memory: the bound with the end pieces, then the estimate (:meth:`Planner.trace`); whether it was
-        traced (not: over the bound, or the budget ended the trace)."""
-        p = self.p
+    def _at_prediction(self, r: Row) -> None:
+        """``r`` popped at its prediction (nothing left is faster): its memory decided, a fitting row ranked."""
+        deadline = None if not self.budgeted else min(self.s.t_end, time.perf_counter() + max(
+            0.0, self.s.trace_budget_s - self.c.t_mem))
         ts = time.perf_counter()
-        # the budget bounds the traces' time itself: one started near its end stops at it (a K3 trace can take
-        # 45 s), and what it traced of the model stays cached
-        p.cache.deadline = None if p.exhaustive else min(ts + p.trace_budget_s - self.t_mem, self.t_end)
         try:
-            if r.bound_key in self.bounds.refine:
-                self.bounds.with_traced_ends(r, p.cache.deadline)
-            r.mem_bound = self.bounds.bound[r.bound_key]
-            if r.mem_bound > p.dev.hbm_bytes:
-                self.t_mem += time.perf_counter() - ts
-                self._too_big_with_ends(r, f"[{time.perf_counter() - ts:.1f} s]")
-                return False
-            p.trace(r)
+            fits = self._memory(r, deadline)
         except TraceDeadline:
-            r.skipped = "time budget" if time.perf_counter() > self.t_end else "trace budget"
-            self.t_mem += time.perf_counter() - ts
+            fits = None
+            self._decide(r, "time budget" if time.perf_counter() > self.s.t_end else "trace budget")
+        self.c.t_mem += time.perf_counter() - ts
+        if fits:
+            self.seen.add(r.layout)
+            self.fitting.append(r)
+            if not r.layout.recompute:
+                self.fits_norc.add(r.layout)
+        elif fits is False and self.budgeted:
+            marked_before = {x.layout for x in self.c.rows if x.skipped.startswith("needs more memory")}
+            too_big_follow_ups(r, self.by_layout, self.seen, self.urgent, self.families)
+            self.heuristic += [x for x in self.c.rows if x.skipped.startswith("needs more memory")
+                               and x.layout not in marked_before]
+
+    def _memory(self, r: Row, deadline: float | None) -> bool | None:
+        """Whether ``r`` fits: its bound with the end pieces, its upper bound, else its estimate (None: a budget
+        stopped it)."""
+        if self.budgeted and self.c.t_mem > self.s.trace_budget_s:
+            self._decide(r, "trace budget")
+            return None
+        ts = time.perf_counter()
+        b = self.bounds
+        if r.bound_key in b.refine:
+            b.with_traced_ends(r, deadline)
+        r.mem_bound = max(r.mem_bound, b.bound[r.bound_key])
+        if r.mem_bound > self.s.hbm:
+            self.c.n_late += 1
+            r.fits = False
+            self._decide(r, "bound")
+            self.h.log(f"  memory of {r.layout.short()}: over its bound with the embedding and head pieces, "
+                       f"{gib(r.mem_bound)} GiB [{time.perf_counter() - ts:.1f} s]")
             return False
-        finally:
-            p.cache.deadline = None
-        self.t_mem += time.perf_counter() - ts
-        self.n_traced += 1
-        p.log(f"  memory of {r.layout.short()}: {'>' if r.peak_is_bound else ''}{gib(r.peak_bytes)} GiB "
-              f"({'fits' if r.fits else 'too big'}), "
-              f"predicted {r.pred.step_s:.4g} s [{time.perf_counter() - ts:.1f} s]")
-        return True
-
-    def _record(self, r: Row) -> None:
-        """A traced row: a fitting one counts for the cut and sends its siblings ahead; a too-big one descends."""
-        lay, exhaustive = r.layout, self.p.exhaustive
-        if r.fits:
-            self.fitting.append(r.pred.step_s)
-            if not lay.recompute:
-                self.fits_norc.add(lay)
-            if not exhaustive:  # its other vpp / schedules are likely to fit too: examined next
-                self.urgent.extendleft(reversed([t for t in self.siblings[sibling_key(lay)]
-                                                 if t.layout not in self.seen]))
-        elif not exhaustive:
-            too_big_follow_ups(r, self.by_layout, self.seen, self.urgent, self.families)
-
-    def _too_big_with_ends(self, r: Row, note: str) -> None:
-        """Over the device on the bound with the end pieces: the descent goes on."""
+        if not self.s.exhaustive:
+            up = self.h.upper(r, deadline)
+            if up is not None and up <= self.s.hbm:
+                r.mem_upper, r.fits = up, True
+                self.c.n_upper += 1
+                return True
+        self.h.trace(r, deadline)
         self.seen.add(r.layout)
-        r.fits, r.skipped = False, "bound"
-        self.n_late += 1
-        self.p.log(f"  memory of {r.layout.short()}: over its bound with the embedding and head pieces, "
-                   f"{gib(r.mem_bound)} GiB {note}")
-        if not self.p.exhaustive:
-            too_big_follow_ups(r, self.by_layout, self.seen, self.urgent, self.families)
+        self.c.n_traced += 1
+        self.h.log(f"  memory of {r.layout.short()}: {'>' if r.peak_is_bound else ''}{gib(r.peak_bytes)} GiB "
+                   f"({'fits' if r.fits else 'too big'}), predicted {r.pred.step_s:.4g} s "
+                   f"[{time.perf_counter() - ts:.1f} s]")
+        return r.fits
 
+    def _decide(self, r: Row, why: str, heuristic: bool = False) -> None:
+        self.seen.add(r.layout)
+        r.skipped = why
+        if heuristic:
+            self.heuristic.append(r)
+
+    def _progress(self) -> None:
+        now = time.perf_counter()
+        if now - self.t_report < self.s.progress_s:
+            return
+        self.t_report = now
+        best = self.fitting[0] if self.fitting else None
+        front = self.heap[0][0] if self.heap else math.inf
+        left = (f"{self.s.t_end - now:.0f} s of the budget left" if self.budgeted and self.s.t_end < math.inf
+                else "no budget")
+        self.h.log(f"  [{now - self.t0:.0f} s] searching: {len(self.c.rows)} layouts bounded, {self.c.n_sim} "
+                   f"simulated, {self.c.n_traced} traced; "
+                   + (f"best {best.layout.short()} {best.pred.step_s:.4g} s" if best else "nothing fits yet")
+                   + f"; lower bound of the rest {front:.4g} s; {left}")
+
+    def _stop(self, why: str) -> SearchStatus:
+        """The status, and every row still queued (or unexamined) marked with why it was not ranked."""
+        best = self.fitting[0].pred.step_s if self.fitting else math.inf
+        kth = self.fitting[self.s.top - 1].pred.step_s if len(self.fitting) >= self.s.top else math.inf
+        left, lowest = 0, None
+        for key, _, tag, item in self.heap:
+            if tag in (ROW, PREDICTED):
+                if item.layout in self.seen:
+                    continue
+                item.skipped = why or ("slower" if key >= kth else item.skipped)
+            n = (sum(self.h.count(c) for c in item) if tag == FAMILY else self.h.count(item) if tag == CORE
+                 else 1)
+            if key < best:
+                left += n
+                lowest = key if lowest is None else min(lowest, key)
+        for r in self.urgent:
+            if r.layout not in self.seen and not r.skipped:
+                r.skipped = why or "slower"
+        unresolved = [r for r in self.c.rows if r.skipped in ("trace budget", "time budget", "simulation budget")
+                      and (r.pred.step_s if r.pred is not None else r.lower_bound_s) < best]
+        heur = [r for r in self.heuristic if (r.pred.step_s if r.pred is not None else r.lower_bound_s) < best]
+        left += len(unresolved)
+        self.status = SearchStatus(done=not why, proven=left == 0 and not heur,
+                                   stopped_by=why, left=left, lowest_left_s=lowest, heuristic=len(heur))
+        return self.status

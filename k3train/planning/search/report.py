@@ -8,6 +8,14 @@ def gib(x: float | None) -> str:
     return "-" if x is None else f"{x / 2**30:.2f}"
 
 
+def peak_text(r: Row) -> str:
+    """A row's peak in GiB: its estimate, ``>`` a lower bound (a trace stopped over the device), ``<=`` an upper
+    bound (ranked untraced)."""
+    if r.peak_bytes is None and r.mem_upper is not None:
+        return "<=" + gib(r.mem_upper)
+    return (">" if r.peak_is_bound else "") + gib(r.peak_bytes)
+
+
 def format_table(res: PlanResult, rows: list[Row]) -> str:
     cfg, W = res.base_cfg, res.world
     head = (f"{'#':>3} {'layout':<40} {'step s':>9} {'tok/s/dev':>10} {'MFU':>6} {'bubble':>6} {'comm':>6} "
@@ -20,7 +28,7 @@ def format_table(res: PlanResult, rows: list[Row]) -> str:
         meas = f"{r.measured_step_s:9.3f}" if r.measured_step_s is not None else f"{'':>9}"
         lines.append(f"{i:>3} {r.layout.short():<40} {p.step_s:9.4g} {tps:10.4g} {100 * mfu(r, cfg, W, res.device.peak_flops):5.1f}% "
                      f"{100 * p.bubble / p.step_s:5.1f}% {100 * p.exposed_comm / p.step_s:5.1f}% "
-                     f"{100 * p.optimizer / p.step_s:4.1f}% {('>' if r.peak_is_bound else '') + gib(r.peak_bytes):>9}"
+                     f"{100 * p.optimizer / p.step_s:4.1f}% {peak_text(r):>9}"
                      f"  {stages:<24} {meas}")
     return "\n".join(lines)
 

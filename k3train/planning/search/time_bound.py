@@ -2,6 +2,7 @@
 branch-and-bound cut)."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from k3train.planning.programs import pairs_actions
@@ -48,3 +49,21 @@ def compute_lower_bound(cfg: Any, lay: Any, part: Any, dev: Device, facts: Param
     ranks, chain, _ = _MEMO[kb]
     busy = max(edge + (max(comp / rate, comm) if paired else (comp + comm) / rate) for comp, comm, edge in ranks)
     return max(busy, chain) + _MEMO[ko][0] / dev.rank_speed(lay.pp * lay.dp * lay.cp)
+
+
+def family_lower_bound(cfg: Any, lay: Any, whole: Any, dev: Device, layer_times: Any, skew: float) -> float:
+    """A lower bound on :func:`compute_lower_bound` of EVERY layout with ``lay``'s pp, dp, cp, micro-batch size,
+    ep and MoonEP setting -- any vpp, schedule, ZeRO stage, recomputation or pairing: the busiest pipeline rank
+    works at least the average rank's share of every stage's work (``whole``: the one-stage partition, whose
+    stage holds every layer, the embedding and the head: the sums of any partition's stages), paired or not,
+    and one micro-batch's forward and backward chain through every stage; without recomputation, which only adds
+    work, and without the optimizer (``cfg``: a validated config of the family, ``lay`` its layout)."""
+    lay0 = replace(lay, recompute=False)
+    key = ("family", id(whole), lay.mbs, lay.cp, lay.ep, lay.moonep, id(dev), id(layer_times), skew)
+    if key not in _MEMO:
+        c = action_costs(cfg, dev, lay0, whole, None, layer_times, skew)
+        _MEMO[key] = ((c.f[0] + c.b[0], c.f_comm[0] + c.b_comm[0]), whole)
+    (comp, comm), _ = _MEMO[key]
+    rate = dev.rank_speed(lay.dp * lay.cp)
+    M = cfg.train.grad_accum_steps
+    return max(M * min(max(comp / rate, comm), (comp + comm) / rate) / lay.pp, comp + comm)
