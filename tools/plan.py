@@ -388,7 +388,8 @@ def status_line(res, chosen) -> str:  # noqa: ANN001
             + (f" (from {st.lowest_left_s:.4g} s)" if st.lowest_left_s is not None else ""))
     heur = (f"; {st.heuristic} ruled out as needing more memory than a layout traced too big, untraced"
             if st.heuristic else "")
-    return (f"BEST SO FAR, NOT PROVEN: {name}; {why}: {left}{heur} (raise --time-budget-s, or --complete)")
+    cand = f"; the fastest candidate not decided: {st.candidate}" if st.candidate else ""
+    return (f"BEST SO FAR, NOT PROVEN: {name}; {why}: {left}{heur}{cand} (raise --time-budget-s, or --complete)")
 
 
 def _lb(rows) -> str:  # noqa: ANN001

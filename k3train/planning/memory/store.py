@@ -9,7 +9,8 @@ layout keys left out (the layouts' pieces differ only by the shapes in their key
 version. A file whose code or config differs (another checkout, another model), that does not parse (truncated,
 damaged), or an entry of the wrong form, is never used: the pieces are traced again and the file rewritten.
 Estimates are kept per layout and world size, with the identity (names, sizes, modification times) of the
-dataset files the estimate reads micro-batches from.
+dataset files the estimate reads micro-batches from; predicted steps (on a published device: a calibration of this
+host may change) per layout, world size, device and routing skew.
 """
 from __future__ import annotations
 
@@ -107,6 +108,7 @@ class MemoryStore:
         self.pieces = PieceCache(loaded.get("pieces", {}))
         self.ns = PieceCache(loaded.get("ns", {}))
         self.estimates: dict[str, Any] = loaded.get("estimates", {})
+        self.predictions: dict[str, Any] = loaded.get("predictions", {})
         self.ignored = loaded.get("ignored", "")  # why an existing file was not used ("" if none or used)
 
     def _read(self) -> dict[str, Any]:
@@ -121,10 +123,14 @@ class MemoryStore:
         if why:
             return {"ignored": why}
         return {k: {n: v for n, v in d.get(k, {}).items() if _valid(k, v)} if isinstance(d.get(k), dict) else {}
-                for k in ("pieces", "ns", "estimates")}
+                for k in ("pieces", "ns", "estimates", "predictions")}
 
     def estimate_key(self, layout: Any, world: int) -> str:
         return json.dumps([repr(layout), world, self.data_id])
+
+    @staticmethod
+    def prediction_key(layout: Any, world: int, device: dict[str, Any], skew: float) -> str:
+        return json.dumps([repr(layout), world, device, skew], sort_keys=True, default=str)
 
     def save(self) -> None:
         """Write this config's file: what is on disk (if still valid) updated with this process's entries."""
@@ -132,7 +138,8 @@ class MemoryStore:
         out = {"format": FORMAT, "code": code_version(), "config": self.text,
                "pieces": {**now.get("pieces", {}), **self.pieces.entries()},
                "ns": {**now.get("ns", {}), **self.ns.entries()},
-               "estimates": {**now.get("estimates", {}), **self.estimates}}
+               "estimates": {**now.get("estimates", {}), **self.estimates},
+               "predictions": {**now.get("predictions", {}), **self.predictions}}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
@@ -144,6 +151,10 @@ def _valid(kind: str, v: Any) -> bool:
     """Whether a stored entry has the form its kind takes (anything else is dropped and traced again)."""
     if kind == "ns":
         return isinstance(v, int) and v >= 0
+    if kind == "predictions":
+        return (isinstance(v, dict) and isinstance(v.get("detail"), dict)
+                and all(isinstance(v.get(k), (int, float)) for k in ("step_s", "compute", "exposed_comm", "bubble",
+                                                                     "optimizer", "host")))
     if kind == "estimates":
         return (isinstance(v, dict) and isinstance(v.get("peak"), int)
                 and isinstance(v.get("stage_peaks"), list) and all(isinstance(x, int) for x in v["stage_peaks"]))

@@ -208,3 +208,20 @@ def _activations(cfg: Any, part: Any, r: int, pp: int, chunks: list, layers: lis
     recv = _recv_blocks(part, cfg.parallel.attnres_comm)[r]
     act += sum(k * recv[c] for c, k in fwd.items()) * h
     return act
+
+
+def family_memory_lower_bound(facts: ParamFacts, cfg: Any, pp: int, dpcp: int, ep: int, zero: int) -> int:
+    """A lower bound on :func:`static_memory_lower_bound` of every layout with these ``pp``, ``dp x cp`` and ``ep``
+    and a ZeRO stage no lower than ``zero``, whatever its partition, schedule or micro-batch: the average
+    pipeline stage's weights, gradients and optimizer state (each term grows linearly in a stage's parameters,
+    so the busiest stage holds at least the average's) -- what rules out most of K3's families at once."""
+    es = dtype_bytes(cfg)
+    master = 4 if es != 4 else 0
+    edp = max(1, dpcp // ep)
+    dense = sum(v[0] for v in facts.pieces.values()) / pp
+    expert = sum(v[1] for v in facts.pieces.values()) / (pp * ep)
+    n = dense + expert
+    shard = dense / dpcp + expert / edp
+    grads = n * es if zero < 2 else shard * es
+    opt = n * (4 + master) if zero == 0 else shard * (4 + master)
+    return int(n * es + grads + opt)

@@ -17,9 +17,13 @@ def plan_notes(rows: list[Row], planner: Any, counts: Any, status: SearchStatus)
     """The notes of a plan: what its bounds left out, why each row it did not rank was skipped, what it traced."""
     hbm = planner.dev.hbm_bytes
     notes = []
-    n_bound = sum(r.skipped == "bound" for r in rows) - counts.n_mixer - counts.n_late + counts.dropped_cores
+    n_bound = (sum(r.skipped == "bound" for r in rows) - counts.n_mixer - counts.n_late + counts.dropped_cores
+               + counts.dropped_families)
     if n_bound:
         notes.append(memory_bound_note(n_bound, hbm))
+    if counts.dropped_families:
+        notes.append(f"{counts.dropped_families} of them with their family (pp, dp, cp, ep): even the average "
+                     f"stage's weights, gradients and optimizer state at the top ZeRO stage are over it")
     if counts.dropped_cores:
         notes.append(f"{counts.dropped_cores} of them with their core: even its least memory-hungry layout (top "
                      f"ZeRO stage, recomputation, no MoonEP, unpaired) is over it")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -15,13 +15,15 @@ from k3train.planning.memory.limits import TraceDeadline, TraceTooBig
 from k3train.planning.memory.store import MemoryStore
 from k3train.planning.programs import pairs_actions, rank_programs, single_program
 from k3train.planning.search.layouts import Layout, Validator, layout_config
+from k3train.planning.search.memory_bound import family_memory_lower_bound
 from k3train.planning.search.memory_upper import MemoryUpper
 from k3train.planning.search.notes import plan_notes
 from k3train.planning.search.piece_bounds import PieceBounds
 from k3train.planning.search.rank import Search, SearchHooks, SearchSettings
 from k3train.planning.search.rows import PlanResult, Row
 from k3train.planning.search.space import Core, Space, enumerate_space
-from k3train.planning.search.time_bound import compute_lower_bound, family_lower_bound
+from k3train.planning.search.time_bound import (compute_lower_bound, family_compute_bound,
+                                                family_lower_bound)
 from k3train.planning.step_time.device import Device
 from k3train.planning.step_time.facts import ParamFacts
 from k3train.planning.step_time.predict import Prediction, predict
@@ -43,6 +45,7 @@ class Planner:
         self.cache, self.store_at, self.exact_memory, self.progress_s = cache, store, exact_memory, progress_s
         self.store: MemoryStore | None = None
         self._programs: dict[tuple, Any] = {}
+        self._sims: dict[tuple, Any] = {}  # pipeline simulations shared by the layouts of other ZeRO stages
         self._space = space
         self.enum_s = 0.0  # seconds the caller spent enumerating ``space``
         self.facts: ParamFacts | None = None
@@ -59,10 +62,19 @@ class Planner:
         return self._programs[key]
 
     def predict(self, r: Row, split_p2p: bool = False) -> Prediction:
-        """``r``'s predicted step (:func:`~k3train.planning.step_time.predict.predict`)."""
+        """``r``'s predicted step (:func:`~k3train.planning.step_time.predict.predict`); on a published device kept
+        in the store, when the plan has one."""
+        key = None
+        if self.store is not None and not self.dev.is_cpu and not split_p2p:
+            key = self.store.prediction_key(r.layout, self.world, asdict(self.dev), self.skew)
+            if key in self.store.predictions:
+                return Prediction(**self.store.predictions[key])
         programs = self.programs(r.layout, r.cfg.train.grad_accum_steps, pairs_actions(r.cfg))
-        return predict(r.cfg, r.layout, self.val.partition(r.cfg), programs, self.dev, self.facts, self.lt,
-                       self.skew, self.opt_times, split_p2p=split_p2p)
+        pred = predict(r.cfg, r.layout, self.val.partition(r.cfg), programs, self.dev, self.facts, self.lt,
+                       self.skew, self.opt_times, split_p2p=split_p2p, sims=self._sims)
+        if key is not None:
+            self.store.predictions[key] = asdict(pred)
+        return pred
 
     def run(self) -> PlanResult:
         t0 = time.perf_counter()
@@ -178,7 +190,9 @@ class _Hooks:
                 self.made[core.lay] = self._make(core)
 
     def hooks(self) -> SearchHooks:
-        return SearchHooks(family_bound=self.family_bound, core_bound=self.core_bound, rows_of=self.rows_of,
+        return SearchHooks(family_memory=self.family_memory, family_compute_bound=self.family_compute_bound,
+                           family_bound=self.family_bound,
+                           core_bound=self.core_bound, rows_of=self.rows_of,
                            count=self.space.count, row_bound=self.row_bound, predict=self.p.predict,
                            trace=self.p.trace, upper=self.upper.of, log=self.p.log)
 
@@ -196,18 +210,35 @@ class _Hooks:
                 "overlap_ep": k["overlap_ep"] if core.pairable else [False]}
         return replace(core.lay, **{n: (w if w in vals[n] else vals[n][0]) for n, w in want.items()})
 
+    def _moonep(self, core: Core) -> set[bool]:
+        return {False, True} & set(self.space.knobs["moonep"]) if core.lay.ep > 1 else {False}
+
+    def family_memory(self, core: Core) -> int:
+        """The static memory bound every layout of ``core``'s family is over (none when the rows are made up
+        front: every row is bounded then)."""
+        if self.materialized:
+            return 0
+        L = core.lay
+        return family_memory_lower_bound(self.p.facts, core.cfg, L.pp, L.dp * L.cp, L.ep, max(self.space.knobs["zero"]))
+
+    def family_compute_bound(self, core: Core) -> float:
+        """The smallest :func:`family_compute_bound` over the MoonEP settings of ``core``'s family."""
+        p = self.p
+        return min(family_compute_bound(core.cfg, self._knobs(core, moonep=m), p.dev, p.lt, p.skew)
+                   for m in self._moonep(core))
+
     def family_bound(self, core: Core) -> float:
         """The smallest :func:`family_lower_bound` over the MoonEP settings of ``core``'s family."""
         p = self.p
         return min(family_lower_bound(core.cfg, self._knobs(core, moonep=m), self.whole, p.dev, p.lt, p.skew)
-                   for m in ({False, True} & set(self.space.knobs["moonep"]) if core.lay.ep > 1 else {False}))
+                   for m in self._moonep(core))
 
     def core_bound(self, core: Core) -> tuple[float, int]:
         """``(the smallest step-time lower bound of core's layouts, the static memory bound of its least
         memory-hungry layout)`` (every layout when the rows are made up front: no memory shortcut)."""
         z = max(self.space.knobs["zero"])
         t = min(self.row_bound(self._row(self._knobs(core, zero=z, moonep=m, recompute=False, overlap_ep=True),
-                                         core)) for m in ({False, True} if core.lay.ep > 1 else {False}))
+                                         core)) for m in self._moonep(core))
         if self.materialized:
             return t, 0
         least = self._row(self._knobs(core, zero=z, moonep=False, recompute=True, overlap_ep=False), core)

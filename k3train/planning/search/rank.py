@@ -2,8 +2,10 @@
 
 One priority queue holds, by a lower bound on the predicted step time of what they stand for, smallest first:
 
-* a FAMILY of cores (same pp, dp, cp, micro-batch size, ep, MoonEP; :func:`~.time_bound.family_lower_bound`):
-  popped, its cores enter at their own bounds -- or leave at once, all their layouts with them, when even their
+* a FAMILY of cores (same pp, dp, cp, micro-batch size, ep; left out whole where its average stage's weights and
+  optimizer state are over the device, :func:`~.memory_bound.family_memory_lower_bound`), first at its compute alone
+  (:func:`~.time_bound.family_compute_bound`), then with its communication (:func:`~.time_bound.family_lower_bound`):
+  popped there, its cores enter at their own bounds -- or leave at once, all their layouts with them, when even their
   least memory-hungry layout (top ZeRO stage, recomputation, no MoonEP, unpaired) is over the static memory bound;
 * a CORE (:class:`~.space.Core`): popped, its layouts enter as rows at their lower bounds
   (:func:`~.time_bound.compute_lower_bound`), those over their static memory bound left out;
@@ -60,6 +62,8 @@ class SearchHooks:
     """What the search calls for the planner: a family's / core's bounds (time; and the core's least memory),
     a core's rows (static memory bounds set), a row's time bound, its prediction, its estimate, its upper
     bound, and the log."""
+    family_memory: Callable[[Any], int]
+    family_compute_bound: Callable[[Any], float]
     family_bound: Callable[[Any], float]
     core_bound: Callable[[Any], tuple[float, int]]
     rows_of: Callable[[Any], list[Row]]
@@ -82,6 +86,7 @@ class Counts:
     n_late: int = 0
     n_upper: int = 0
     dropped_cores: int = 0  # layouts left out with their core (its least memory-hungry layout over the bound)
+    dropped_families: int = 0  # ... with their family (its average stage's weights and optimizer state over it)
     rows: list[Row] = field(default_factory=list)
 
 
@@ -93,8 +98,11 @@ class Search:
         self.c = Counts()
         self.heap: list[tuple[float, int, int, Any]] = []
         self.seq = 0
-        for fam in families:
-            self._push(h.family_bound(fam[0]), FAMILY, fam)
+        for fam in families:  # at their compute alone first: their communication when they come up
+            if h.family_memory(fam[0]) > s.hbm:
+                self.c.dropped_families += sum(h.count(c) for c in fam)
+            else:
+                self._push(h.family_compute_bound(fam[0]), FAMILY, (fam, False))
         self.fitting: list[Row] = []
         self.fits_norc: set[Layout] = set()
         self.by_layout: dict[Layout, Row] = {}
@@ -102,6 +110,9 @@ class Search:
         self.seen: set[Layout] = set()
         self.urgent: deque[Row] = deque()  # lighter neighbours of a layout traced too big: simulated next
         self.heuristic: list[Row] = []  # rows ruled out by a heuristic (module docstring)
+        self.simulated: list[tuple[float, int, Row]] = []  # by prediction: the incumbent's candidates
+        self.incumbents: list[Row] = []  # rows that fit, decided ahead of their turn (:meth:`_incumbent`)
+        self.incumbent_ids: set[int] = set()
         self.status = SearchStatus()
         self.t0 = self.t_report = time.perf_counter()
 
@@ -122,19 +133,47 @@ class Search:
             if not self.s.exhaustive and len(self.fitting) >= self.s.top:
                 break
             self._progress()
+            if self._incumbent():
+                continue
             if self.urgent:
                 self._simulate_urgent(self.urgent.popleft())
                 continue
             key, _, tag, item = heapq.heappop(self.heap)
             if tag == FAMILY:
-                self._expand_family(item)
+                self._expand_family(key, *item)
             elif tag == CORE:
                 self._expand_core(item)
+            elif tag == PREDICTED and id(item) in self.incumbent_ids:  # decided ahead (it fits): its turn now
+                self.seen.add(item.layout)
+                self.fitting.append(item)
             elif item.layout not in self.seen:
                 (self._at_bound if tag == ROW else self._at_prediction)(item)
         return self._stop("")
 
-    def _expand_family(self, cores: list[Any]) -> None:
+    def _incumbent(self) -> bool:
+        """Past half the time budget with nothing fitting yet: the fastest simulated row whose memory is not
+        decided is decided now, ahead of its turn (one per call), so that a budget that ends first still has an
+        answer -- the best so far. A fitting one joins the ranking when its turn comes."""
+        s = self.s
+        if not self.budgeted or self.fitting or self.incumbents or s.t_end == math.inf:
+            return False
+        if time.perf_counter() < self.t0 + (s.t_end - self.t0) / 2:
+            return False
+        while self.simulated and (self.simulated[0][2].layout in self.seen or self.simulated[0][2].fits):
+            heapq.heappop(self.simulated)
+        if not self.simulated:
+            return False
+        r = heapq.heappop(self.simulated)[2]
+        self._at_prediction(r, incumbent=True)
+        return True
+
+    def _expand_family(self, key: float, cores: list[Any], refined: bool) -> None:
+        """A family at its compute bound re-enters at its bound with communication; at that, its cores enter."""
+        if not refined:
+            fine = self.h.family_bound(cores[0])
+            if fine > key:
+                self._push(fine, FAMILY, (cores, True))
+                return
         for core in cores:
             t_lb, mem = self.h.core_bound(core)
             if mem > self.s.hbm:
@@ -161,8 +200,7 @@ class Search:
         if self._over_refined_bound(r):
             return
         self._simulate(r)
-        if r.pred is not None:
-            self._push(r.pred.step_s, PREDICTED, r)
+        self._push(r.pred.step_s, PREDICTED, r)
 
     def _over_refined_bound(self, r: Row) -> bool:
         """The bound refined with the token mixers' pieces (and the end pieces traced so far) over the device."""
@@ -183,6 +221,8 @@ class Search:
         r.pred = self.h.predict(r)
         self.c.t_sim += time.perf_counter() - ts
         self.c.n_sim += 1
+        heapq.heappush(self.simulated, (r.pred.step_s, self.seq, r))
+        self.seq += 1
 
     def _simulate_urgent(self, r: Row) -> None:
         if r.layout in self.seen or r.pred is not None or self._over_refined_bound(r):
@@ -190,8 +230,9 @@ class Search:
         self._simulate(r)
         self._push(r.pred.step_s, PREDICTED, r)
 
-    def _at_prediction(self, r: Row) -> None:
-        """``r`` popped at its prediction (nothing left is faster): its memory decided, a fitting row ranked."""
+    def _at_prediction(self, r: Row, incumbent: bool = False) -> None:
+        """``r`` popped at its prediction (nothing left is faster): its memory decided, a fitting row ranked
+        (``incumbent``: decided ahead of its turn, :meth:`_incumbent`; ranked when its turn comes)."""
         deadline = None if not self.budgeted else min(self.s.t_end, time.perf_counter() + max(
             0.0, self.s.trace_budget_s - self.c.t_mem))
         ts = time.perf_counter()
@@ -201,7 +242,10 @@ class Search:
             fits = None
             self._decide(r, "time budget" if time.perf_counter() > self.s.t_end else "trace budget")
         self.c.t_mem += time.perf_counter() - ts
-        if fits:
+        if fits and incumbent:
+            self.incumbents.append(r)
+            self.incumbent_ids.add(id(r))
+        elif fits:
             self.seen.add(r.layout)
             self.fitting.append(r)
             if not r.layout.recompute:
@@ -237,7 +281,8 @@ class Search:
                 self.c.n_upper += 1
                 return True
         self.h.trace(r, deadline)
-        self.seen.add(r.layout)
+        if not r.fits:
+            self.seen.add(r.layout)
         self.c.n_traced += 1
         self.h.log(f"  memory of {r.layout.short()}: {'>' if r.peak_is_bound else ''}{gib(r.peak_bytes)} GiB "
                    f"({'fits' if r.fits else 'too big'}), predicted {r.pred.step_s:.4g} s "
@@ -266,15 +311,17 @@ class Search:
 
     def _stop(self, why: str) -> SearchStatus:
         """The status, and every row still queued (or unexamined) marked with why it was not ranked."""
-        best = self.fitting[0].pred.step_s if self.fitting else math.inf
-        kth = self.fitting[self.s.top - 1].pred.step_s if len(self.fitting) >= self.s.top else math.inf
+        fit = sorted(self.fitting + [r for r in self.incumbents if r.layout not in self.seen],
+                     key=lambda r: r.pred.step_s)
+        best = fit[0].pred.step_s if fit else math.inf
+        kth = fit[self.s.top - 1].pred.step_s if len(fit) >= self.s.top else math.inf
         left, lowest = 0, None
         for key, _, tag, item in self.heap:
             if tag in (ROW, PREDICTED):
-                if item.layout in self.seen:
+                if item.layout in self.seen or item.fits:
                     continue
                 item.skipped = why or ("slower" if key >= kth else item.skipped)
-            n = (sum(self.h.count(c) for c in item) if tag == FAMILY else self.h.count(item) if tag == CORE
+            n = (sum(self.h.count(c) for c in item[0]) if tag == FAMILY else self.h.count(item) if tag == CORE
                  else 1)
             if key < best:
                 left += n
@@ -286,6 +333,10 @@ class Search:
                       and (r.pred.step_s if r.pred is not None else r.lower_bound_s) < best]
         heur = [r for r in self.heuristic if (r.pred.step_s if r.pred is not None else r.lower_bound_s) < best]
         left += len(unresolved)
-        self.status = SearchStatus(done=not why, proven=left == 0 and not heur,
-                                   stopped_by=why, left=left, lowest_left_s=lowest, heuristic=len(heur))
+        undecided = sorted((r for _, _, r in self.simulated if r.layout not in self.seen and not r.fits
+                            and r.pred.step_s < best), key=lambda r: r.pred.step_s)
+        cand = (f"{undecided[0].layout.short()} ({undecided[0].pred.step_s:.4g} s; its memory at least "
+                f"{gib(undecided[0].mem_bound)} GiB, not traced)" if undecided and why else "")
+        self.status = SearchStatus(done=not why, proven=left == 0 and not heur, stopped_by=why, left=left,
+                                   lowest_left_s=lowest, heuristic=len(heur), candidate=cand)
         return self.status

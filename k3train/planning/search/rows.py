@@ -57,13 +57,15 @@ class SearchStatus:
     (no layout left out could beat it: bounds, simulations and memory estimates only), how many layouts were left
     that could (``left``: a step-time lower bound below the best, or any when none fits; ``lowest_left_s``), and
     how many of those a heuristic ruled out instead (``heuristic``: too big by the family rule of a layout traced
-    too big)."""
+    too big), and, stopped by a budget, the fastest simulated layout whose memory it did not decide
+    (``candidate``)."""
     done: bool = True
     proven: bool = False
     stopped_by: str = ""
     left: int = 0
     lowest_left_s: float | None = None
     heuristic: int = 0
+    candidate: str = ""  # stopped by a budget: the fastest simulated layout whose memory is not decided
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -6,6 +6,7 @@ from dataclasses import replace
 from typing import Any
 
 from k3train.planning.programs import pairs_actions
+from k3train.planning.step_time.compute import layer_compute
 from k3train.planning.step_time.costs import action_costs
 from k3train.planning.step_time.device import Device
 from k3train.planning.step_time.facts import ParamFacts
@@ -67,3 +68,17 @@ def family_lower_bound(cfg: Any, lay: Any, whole: Any, dev: Device, layer_times:
     rate = dev.rank_speed(lay.dp * lay.cp)
     M = cfg.train.grad_accum_steps
     return max(M * min(max(comp / rate, comm), (comp + comm) / rate) / lay.pp, comp + comm)
+
+
+def family_compute_bound(cfg: Any, lay: Any, dev: Device, layer_times: Any, skew: float) -> float:
+    """A lower bound on :func:`family_lower_bound` from the compute alone (its terms at no communication; the
+    per-piece compute of :func:`~k3train.planning.step_time.compute.layer_compute` summed over the whole model,
+    as the one-stage partition's stage holds it): a thousandth of its cost, so the search orders the families by
+    it and computes their communication only for those it reaches."""
+    key = ("fcomp", id(cfg.model), lay.mbs, lay.cp, lay.ep, lay.moonep, id(dev), id(layer_times), skew)
+    if key not in _MEMO:
+        emb, layers, head = layer_compute(cfg, dev, replace(lay, recompute=False), layer_times, skew)
+        _MEMO[key] = (emb[0] + emb[1] + head[0] + head[1] + sum(x[0] + x[1] for x in layers), cfg.model)
+    comp = _MEMO[key][0]
+    M = cfg.train.grad_accum_steps
+    return max(M * comp / dev.rank_speed(lay.dp * lay.cp) / lay.pp, comp)

@@ -38,13 +38,15 @@ class Prediction:
 
 def predict(cfg: Any, lay: Any, part: Any, programs: list[list[Any]], dev: Device, facts: ParamFacts,
             layer_times: Any = None, skew: float = 1.5, opt_times: dict[str, float] | None = None,
-            split_p2p: bool = False) -> Prediction:
+            split_p2p: bool = False, sims: dict[tuple, Any] | None = None) -> Prediction:
     """Predicted seconds of one optimizer step of ``cfg`` under layout ``lay`` (:mod:`k3train.planning.step_time`).
     ``detail['exposed_by_kind']`` splits the exposed communication by what it is (it sums to ``exposed_comm``):
     the in-action kinds of :data:`IN_ACTION_KINDS` on the critical pipeline rank, the gradient reduction left after
     the pipeline, ZeRO's parameter all-gather and the per-step small collectives. ``split_p2p``: the programs are
     simulated once more with free pipeline messages; ``detail['p2p_in_bubble_s']`` is how much longer the
-    pipeline takes for its point-to-point transfers (a part of the bubble)."""
+    pipeline takes for its point-to-point transfers (a part of the bubble). ``sims``: the simulations of the
+    pipeline kept across calls (the layouts that differ only in their ZeRO stage simulate the same programs at
+    the same costs: the planner's speed-up; the caller keeps the programs and the partition alive)."""
     plan = AttnResCommPlan(part, cfg.parallel.attnres_comm) if lay.pp > 1 else None
     costs = action_costs(cfg, dev, lay, part, plan, layer_times, skew)
     dpcp = lay.dp * lay.cp
@@ -53,8 +55,14 @@ def predict(cfg: Any, lay: Any, part: Any, programs: list[list[Any]], dev: Devic
     if paired:  # parallel.overlap_ep: the runner's own pairing of the programs (parallel/pipeline/runner.py)
         programs, firsts = cached_pair_programs(programs, lay.pp, part.vpp)
         pairs = (firsts, *side_phases(cfg, dev, lay, part, layer_times, skew))
-    sim = simulate_programs(programs, lay.pp, part.vpp, costs, dpcp, dev.rank_speed if dev.shares_cores else None,
-                            pairs)
+    sk = (id(programs), id(part), id(dev), id(layer_times), skew, lay.mbs, lay.cp, lay.ep, lay.moonep, lay.recompute,
+          dpcp, paired)
+    sim = sims.get(sk) if sims is not None else None
+    if sim is None:
+        sim = simulate_programs(programs, lay.pp, part.vpp, costs, dpcp, dev.rank_speed if dev.shares_cores else None,
+                                pairs)
+        if sims is not None:
+            sims[sk] = sim
     es = dtype_bytes(cfg)
     anchor = anchor_of(layer_times, cfg)
     total_numel = sum(p[0] + p[1] for p in facts.pieces.values())
