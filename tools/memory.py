@@ -105,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --media worst: frames per media (1: images; up to vision.pos_emb_time: clips)")
     ap.add_argument("--all-ranks", action="store_true", help="print every rank (default: worst per stage "
                                                              "when a stage has more than 8)")
+    ap.add_argument("--no-cache", action="store_true",
+                    help="neither read nor write the memory cache (the traced pieces, shared with tools/plan.py, in "
+                         "the k3train cache directory)")
     args, overrides = ap.parse_known_args(argv)
     # lazy: torch is not loaded before the command line is parsed (--help, a bad flag: fast)
     from k3train.planning.memory.media import MediaCase
@@ -131,10 +134,15 @@ def main(argv: list[str] | None = None) -> int:
                   f"{[round(x / 2**20, 2) for x in r['whole']]} MiB, composed "
                   f"{[round(x / 2**20, 2) for x in r['composed']]} MiB, error {[f'{e:+.2f}%' for e in err]}")
         return 0
+    from k3train.planning.memory.cache import EstimateCache  # lazy: torch (after the config check)
     from k3train.planning.memory.estimate import estimate  # lazy: torch (after the config check)
     from k3train.planning.memory.report import format_table  # lazy: torch (after the config check)
+    from k3train.planning.memory.store import MemoryStore  # lazy: torch (after the config check)
 
-    est = estimate(cfg, args.world_size, media=media)
+    store = None if args.no_cache else MemoryStore(cfg)
+    est = estimate(cfg, args.world_size, EstimateCache(store) if store is not None else None, media=media)
+    if store is not None:
+        store.save()
     if args.measure:
         measured = run_measure(args.config, args.world_size, overrides, args.steps)
         for r in est.ranks:

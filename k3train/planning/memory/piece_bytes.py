@@ -85,17 +85,19 @@ def ffn_bytes(cfg: Config, model: nn.Module, fake: FakeTensorMode, cache: dict, 
 
 
 def piece_triples(cfg: Config, model: nn.Module, fake: FakeTensorMode, cache: dict, B: int, T: int,
-                  deadline: float | None = None, at: int | None = None,
-                  clamp: bool = True) -> dict[tuple, tuple[Any, Any, Any]]:
+                  deadline: float | None = None, at: int | None = None, clamp: bool = True,
+                  exact: bool = False) -> dict[tuple, tuple[Any, Any, Any]]:
     """``{piece key: (saved, f_peak, b_peak)}`` of every piece a chunk of ``cfg`` composes under sublayer pieces
     -- ``("mixer", kind)``, ``("ffn", is_moe)``, ``("embed",)``, ``("head",)`` -- the very ones
     :func:`mixer_bytes`, :func:`ffn_bytes` and :func:`end_bytes` read (same cache entries): what the planner's
-    upper bound composes a chunk from."""
+    upper bound composes a chunk from. ``exact``: each traced once at ``B x T`` tokens instead (short rows,
+    where the estimator traces whole chunks: cheaper than the fits' 1K-4K tokens)."""
     reps = piece_layers(cfg)
     rank = most_keys_rank(cfg)
     L = cfg.model.num_hidden_layers
     moe_chunk = cfg.model.moe_token_chunk if cfg.model.num_experts > 0 else 0
-    kw = dict(B=B, T=T, deadline=deadline, at=at, clamp=clamp)
+    kw: dict[str, Any] = {"B": B, "T": T, "deadline": deadline, "at": at, "clamp": clamp,
+                          "tokens": (B * T,) if exact else None}
     out: dict[tuple, tuple[Any, Any, Any]] = {}
     for kind in sorted({k[1] for k in reps if k[0] == "mixer"}):
         i = reps[("mixer", kind)]

@@ -92,14 +92,16 @@ def _local_experts(model: nn.Module, cache: dict, a: int, b: int, last: bool, su
 def trace_piece(cfg: Config, model: nn.Module, fake: FakeTensorMode, cache: dict, key: tuple, a: int, b: int,
                 fst: bool, lst: bool, sub: str | None = None, chunks: tuple[int, ...] = (), kind: str = "", *,
                 B: int, T: int, cp_rank: int = 0, media: MediaCase | None = None,
-                deadline: float | None = None, at: int | None = None, clamp: bool = True) -> tuple[Any, ...]:
+                deadline: float | None = None, at: int | None = None, clamp: bool = True,
+                tokens: tuple[int, ...] | None = None) -> tuple[Any, ...]:
     """``(saved, f_peak, b_peak)`` of one composed piece (layers ``[a, b)``, or sublayer ``sub`` of layer ``a``;
     see :func:`trace_range`) for a micro-batch of ``B`` rows of ``T`` tokens on CP rank ``cp_rank``: each byte count
     fitted exactly through traces at :func:`piece_tokens`' token counts and evaluated at ``B x T``; ``cache``
     holds the fits by what the traces depend on (the comment on ``TRACE_BUDGET`` in
     :mod:`k3train.planning.memory.compose`). ``at``: the same fits (those of ``B x T``) evaluated at ``at``
     tokens instead (``at=0``: their constant terms, what the planner's bounds scale a row's bytes by);
-    ``clamp=False``: as floats, not rounded to bytes >= 0."""
+    ``clamp=False``: as floats, not rounded to bytes >= 0; ``tokens``: traced at these token counts instead of
+    :func:`piece_tokens`' (one: ``B x T`` itself, the planner's upper bound for short rows)."""
     recompute = cfg.parallel.recompute
     unit = recompute_unit(cfg, recompute)
     chunk_rc = recompute and unit is None  # the whole chunk one region: pieces traced without recomputation
@@ -114,10 +116,10 @@ def trace_piece(cfg: Config, model: nn.Module, fake: FakeTensorMode, cache: dict
     bk = cfg.model.mla_block_size
     base = (KDA_COMPOSE_TOKENS if kind == "kda" else (bk * B, 2 * bk * B, 4 * bk * B) if mla
             else COMPOSE_TOKENS)
-    pts = piece_tokens(B * T, list(chunks), base)
+    pts = tokens or piece_tokens(B * T, list(chunks), base)
     if C > CP_TRACED_MAX and key != ("embed",):
         line = _on_cp_line(cfg, model, fake, cache, key, a, b, fst, lst, sub, chunks, kind, B=B, T=T,
-                           cp_rank=cp_rank, media=media, deadline=deadline, at=at, clamp=clamp)
+                           cp_rank=cp_rank, media=media, deadline=deadline, at=at, clamp=clamp, tokens=tokens)
         if line is not None:
             return _bytes(line, clamp)
     ck = key + (B, C, cfg.train.dtype, cfg.parallel.mla_cp_balance if C > 1 else None,
@@ -176,7 +178,8 @@ CP_LINE = (4, 6, 8)
 def _on_cp_line(cfg: Config, model: nn.Module, fake: FakeTensorMode, cache: dict, key: tuple, a: int, b: int,
                 fst: bool, lst: bool, sub: str | None, chunks: tuple[int, ...], kind: str, *, B: int, T: int,
                 cp_rank: int, media: MediaCase | None, deadline: float | None,
-                at: int | None = None, clamp: bool = True) -> tuple[float, ...] | None:
+                at: int | None = None, clamp: bool = True,
+                tokens: tuple[int, ...] | None = None) -> tuple[float, ...] | None:
     """:func:`trace_piece` at ``cfg.parallel.cp`` from its values at CP_LINE (see above): each byte count of CP
     ranks 0 and 1 extended on its line in the cp, rank ``cp_rank`` placed between them by its MLA key segments as
     :func:`trace_piece` does; None when the points are not on one line (then the piece is traced at its cp)."""
@@ -188,7 +191,7 @@ def _on_cp_line(cfg: Config, model: nn.Module, fake: FakeTensorMode, cache: dict
         for c in CP_LINE:
             cc = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, cp=c))
             pts.append(trace_piece(cc, model, fake, cache, key, a, b, fst, lst, sub, chunks, kind, B=B, T=T,
-                                   cp_rank=r, media=media, deadline=deadline, at=at, clamp=clamp))
+                                   cp_rank=r, media=media, deadline=deadline, at=at, clamp=clamp, tokens=tokens))
         (c0, c1, c2), line = CP_LINE, []
         for y0, y1, y2 in zip(*pts):
             slope = (y2 - y1) / (c2 - c1)

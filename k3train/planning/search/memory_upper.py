@@ -11,11 +11,13 @@ gradient and MoonEP's replica gradients; the optimizer step's largest update tra
 model (unsharded) and the reduction's bucket. The chunk's bytes are composed from the one-row pieces of
 :mod:`~k3train.planning.search.piece_bounds`, scaled up to the micro-batch's rows
 (:func:`~k3train.planning.search.piece_bounds.rows_upper`) and, where the estimator traces whole chunks of the
-run's data (documents padded to KDA chunks, every layer's own AttnRes sources), taken ``WHOLE_MARGIN`` times;
+run's data (documents padded to KDA chunks, every layer's own AttnRes sources), traced at the row's own length
+and taken ``WHOLE_MARGIN`` times;
 under layer recomputation (no pieces) there is no upper bound.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -42,7 +44,8 @@ class MemoryUpper:
     def __init__(self, bounds: PieceBounds) -> None:
         self.b = bounds
         self.memo: dict[Any, Any] = {}
-        self.triples: dict[tuple, Any] = {}  # one row's pieces (and their fits' constants) per row length, cp, ep
+        # one row's pieces (and their fits' constants) per row length, cp, ep: fitted, or traced at the row's length
+        self.triples: dict[bool, dict[tuple, Any]] = {False: {}, True: {}}
 
     def of(self, r: Row, deadline: float | None) -> int | None:
         """``r``'s upper bound (None: layer recomputation, or the deadline passed before its pieces were traced)."""
@@ -90,11 +93,13 @@ class MemoryUpper:
     def _pieces(self, r: Row, deadline: float | None) -> dict[tuple, tuple] | None:
         """The pieces' ``(saved, f_peak, b_peak)`` for ``r``'s micro-batch, scaled up from one row (x
         ``WHOLE_MARGIN`` where the estimator traces whole chunks)."""
-        got = self.b.per_cp(r, piece_triples, self.triples, deadline, by_ep=True, whole=True)
+        whole = whole_traces(r.cfg, r.layout.mbs, r.cfg.train.seq_len // r.layout.cp)
+        fn = partial(piece_triples, exact=True) if whole else piece_triples
+        got = self.b.per_cp(r, fn, self.triples[whole], deadline, by_ep=True, whole=True)
         if got is None:
             return None
         up = rows_upper(*got, r.layout.mbs)
-        if whole_traces(r.cfg, r.layout.mbs, r.cfg.train.seq_len // r.layout.cp):
+        if whole:
             up = {k: tuple(int(WHOLE_MARGIN * x) for x in v) for k, v in up.items()}
         return up
 
