@@ -1,38 +1,35 @@
-"""The parallel-layout planner: enumerate valid layouts, bound, predict, estimate memory, rank (``tools/plan.py``).
+"""The parallel-layout planner: the fastest valid layout that fits, found best first and proven (``tools/plan.py``).
 
-Order of work (cheapest first, every skip exact), one module per phase:
+Order of work (cheapest first, every skip a bound), one module per phase:
 
-1. Enumerate (:mod:`.layouts`, :func:`~.layouts.enumerate_layouts`) -- every layout the run validation accepts.
-2. Bound (:mod:`.piece_bounds` over :mod:`.memory_bound`): the static memory bound (weights + gradients + optimizer
-   state, or weights + optimizer state + the hidden-state partial sums of each forward the schedule runs before a
-   rank's first backward; with sublayer or no recomputation, each FFN counts its traced piece's bytes (of one row)
-   instead, :func:`~k3train.planning.memory.piece_bytes.ffn_saved_bytes`, traced once for every cp and ep (at the
-   smallest and the largest ep, the smaller: :meth:`~.piece_bounds.PieceBounds.ffn_saved`); over several stages
-   each forward's received AttnRes payload) above the device memory: infeasible, no trace (``fits: false,
-   skipped: 'bound'``). Refined lazily, the same bound, under sublayer recomputation: when a layout first comes up
-   (3.), each token mixer counts its piece's bytes, :func:`~k3train.planning.memory.piece_bytes.mixer_bytes`,
-   traced per cp (a line in the cp above 16) only for the cps of layouts that come up, with the first backward's
-   peak composed as the estimator composes it; when it comes up for a trace (4.), the embedding and head pieces,
-   :func:`~k3train.planning.memory.piece_bytes.end_bytes`, too. Then the step-time lower bound
-   (:mod:`.time_bound`) for the rest.
-3. Rank (:mod:`.rank`): best first, a layout enters a queue at its lower bound, is simulated
-   (:func:`k3train.planning.step_time.predict.predict`) when it reaches the front and re-enters at its prediction,
-   so layouts are traced (4.) in predicted order, each only when no layout not yet traced can be predicted faster
-   -- branch and bound: once ``top`` layouts that FIT are known, a layout whose lower bound (or prediction) is not
-   below the ``top``-th of them cannot enter the ranking and is not simulated / traced (``skipped: 'slower'``). A
-   recompute layout is dominated by its twin without recomputation when that one fits (same everything, strictly
-   more compute): skipped (``skipped: 'dominated'``).
-4. Memory and descent (:mod:`.descend`): :func:`k3train.planning.memory.estimate.estimate` (the real code on fake
-   tensors) for each simulated layout that could enter the ranking, with an
-   :class:`~k3train.planning.memory.cache.EstimateCache` shared by all (fake full model per ep, per-layer fits,
-   optimizer transients) -- ``fits`` = worst rank's peak <= device memory. A layout traced too big sends its
-   recompute twin to the front of the queue and marks too big without a trace every layout of its family that
-   holds at least as much per rank (lower ZeRO, larger micro-batch, smaller cp or ep:
-   ``skipped: 'needs more memory than a layout traced too big'``), and the search descends from it depth first
-   (recompute twin, half the micro-batch, twice the ep, one ZeRO stage more, twice the cp) to the memory limit;
-   a layout that fits sends its other vpp / schedule variants (same dims, same memory knobs) to the front.
+1. Enumerate by structure (:mod:`.space`, :func:`~.space.enumerate_space`): every CORE (pp, vpp, dp, cp, ep,
+   micro-batch size, schedule) the run validation accepts (:mod:`.layouts`: ``Config.validate_layout`` on a copy of
+   the validated base), each with the memory knobs its layouts take (ZeRO stage, MoonEP, recomputation, F/B
+   pairing): K3 at 4K has 2.1 million layouts in 98 thousand cores. Rows (:mod:`.rows`) are made per core when
+   the search reaches it (every row up front in a space of at most ``planner.MATERIALIZED`` layouts).
+2. Bound, by whole families first (:mod:`.time_bound`, :mod:`.memory_bound`, :mod:`.piece_bounds`): a family
+   (pp, dp, cp, micro-batch, ep) whose average stage's weights, gradients and optimizer state are over the
+   device is left out whole; its step-time bound is the busiest rank's share of every stage's work (compute
+   alone first, with its communication when it comes up); a core is left out when its least memory-hungry layout
+   is over the static bound; a layout's own bounds are the static memory bound (with the traced FFN pieces of one
+   row, scaled to its rows) and :func:`~.time_bound.compute_lower_bound`.
+3. Rank, best first (:mod:`.rank`): families, cores and rows in one queue by their step-time bounds; a row at
+   its bound is refined with its token mixers' pieces (over: left out) or simulated
+   (:func:`k3train.planning.step_time.predict.predict`) and re-enters at its prediction; a row at its prediction
+   has its memory decided: over the bound with the end pieces, too big; within the upper bound
+   (:mod:`.memory_upper`), it fits untraced; else :func:`k3train.planning.memory.estimate.estimate` (the real code
+   on fake tensors), with an :class:`~k3train.planning.memory.cache.EstimateCache` shared by all. The ``top``-th
+   fitting row ends the search: nothing left can beat it, the answer is PROVEN within the model. A budget may end
+   it first: the result says so with the best so far (past half the budget with nothing fitting, the fastest
+   simulated rows are decided ahead of their turn, to have one) and what was left.
+4. Heuristics outside ``complete`` mode, counted against the proof (:mod:`.descend`): a layout traced too big marks
+   too big the layouts of its family that hold at least as much per rank (its lighter neighbours simulated next);
+   a recompute layout whose twin without recomputation fits is dominated.
+5. The chosen layout's exact peak is traced when an upper bound ranked it (``exact_memory``: every ranked one's).
 
-:mod:`.planner` runs the phases (:class:`~.planner.Planner`); :mod:`.rows` holds a plan's rows and result,
-:mod:`.notes` what it says about the layouts it skipped, :mod:`.report` its table and plot, :mod:`.select` the
-layouts ``--measure`` runs. ``--exhaustive`` simulates and traces every layout (small spaces; the tests use it).
+The memory pieces, estimates and predictions (published devices) are kept across plans in the k3train cache
+directory (:mod:`k3train.planning.memory.store`). :mod:`.planner` runs the phases (:class:`~.planner.Planner`);
+:mod:`.notes` says what the plan skipped, :mod:`.report` its table and plot, :mod:`.select` the layouts
+``--measure`` runs. ``--exhaustive`` simulates and traces every layout (small spaces; the tests use it);
+``--complete`` searches without a budget or heuristic (the reference the default is compared with).
 """

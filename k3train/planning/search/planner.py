@@ -46,6 +46,7 @@ class Planner:
         self.store: MemoryStore | None = None
         self._programs: dict[tuple, Any] = {}
         self._sims: dict[tuple, Any] = {}  # pipeline simulations shared by the layouts of other ZeRO stages
+        self._dev_json: dict[str, Any] | None = None
         self._space = space
         self.enum_s = 0.0  # seconds the caller spent enumerating ``space``
         self.facts: ParamFacts | None = None
@@ -66,7 +67,9 @@ class Planner:
         in the store, when the plan has one."""
         key = None
         if self.store is not None and not self.dev.is_cpu and not split_p2p:
-            key = self.store.prediction_key(r.layout, self.world, asdict(self.dev), self.skew)
+            if self._dev_json is None:
+                self._dev_json = asdict(self.dev)
+            key = self.store.prediction_key(r.layout, self.world, self._dev_json, self.skew)
             if key in self.store.predictions:
                 return Prediction(**self.store.predictions[key])
         programs = self.programs(r.layout, r.cfg.train.grad_accum_steps, pairs_actions(r.cfg))

@@ -115,6 +115,7 @@ class Search:
         self.incumbent_ids: set[int] = set()
         self.status = SearchStatus()
         self.t0 = self.t_report = time.perf_counter()
+        self.last_front: tuple[float, float] | None = None  # (when, the queue's front) at the last progress line
 
     def _push(self, key: float, tag: int, item: Any) -> None:
         heapq.heappush(self.heap, (key, self.seq, tag, item))
@@ -296,18 +297,29 @@ class Search:
             self.heuristic.append(r)
 
     def _progress(self) -> None:
+        """Every ``progress_s``: the phase, what was done, the best so far, the lower bound of the rest, and the time
+        left -- of the budget, and to the proof at the pace the lower bound has been rising."""
         now = time.perf_counter()
         if now - self.t_report < self.s.progress_s:
             return
-        self.t_report = now
-        best = self.fitting[0] if self.fitting else None
         front = self.heap[0][0] if self.heap else math.inf
+        fit = self.fitting + self.incumbents
+        best = min(fit, key=lambda r: r.pred.step_s) if fit else None
+        eta = ""
+        last = self.last_front
+        if best is not None and last is not None and front > last[1]:
+            pace = (front - last[1]) / (now - last[0])
+            eta = f", the proof in ~{max(0.0, best.pred.step_s - front) / pace:.0f} s at this pace"
+        self.last_front = (now, front)
+        self.t_report = now
+        phase = {FAMILY: "bounding families", CORE: "bounding cores", ROW: "simulating",
+                 PREDICTED: "deciding memory"}.get(self.heap[0][2] if self.heap else -1, "ending")
         left = (f"{self.s.t_end - now:.0f} s of the budget left" if self.budgeted and self.s.t_end < math.inf
                 else "no budget")
-        self.h.log(f"  [{now - self.t0:.0f} s] searching: {len(self.c.rows)} layouts bounded, {self.c.n_sim} "
+        self.h.log(f"  [{now - self.t0:.0f} s] {phase}: {len(self.c.rows)} layouts bounded, {self.c.n_sim} "
                    f"simulated, {self.c.n_traced} traced; "
-                   + (f"best {best.layout.short()} {best.pred.step_s:.4g} s" if best else "nothing fits yet")
-                   + f"; lower bound of the rest {front:.4g} s; {left}")
+                   + (f"best so far {best.layout.short()} {best.pred.step_s:.4g} s" if best else "nothing fits yet")
+                   + f"; lower bound of the rest {front:.4g} s; {left}{eta}")
 
     def _stop(self, why: str) -> SearchStatus:
         """The status, and every row still queued (or unexamined) marked with why it was not ranked."""
