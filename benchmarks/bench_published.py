@@ -18,7 +18,7 @@ pipeline's p2p share, the optimizer) and what explains the difference. For a run
 per token and destination NVLink domain over the NIC, one per token and destination rank over NVLink, under the
 run's routing (``consecutive``: NeMo AutoModel's balanced gate, a token's k experts consecutive; ``uniform``: k
 distinct experts at random) -- k3train's NCCL all-to-all moves one row per route (k per token); for a schedule that
-hides the all-to-all (``hidden``: DualPipe), the prediction without it.
+hides the all-to-all (``hidden``: DualPipe), the prediction without it (the table's last column: its ratio).
 """
 from __future__ import annotations
 
@@ -41,6 +41,8 @@ from k3train.config import load_config  # noqa: E402
 from k3train.model.flops import model_flops_per_token  # noqa: E402
 from k3train.planning.calibration.cluster import cluster_flags  # noqa: E402
 from k3train.planning.calibration.devices import check_device  # noqa: E402
+from k3train.planning.memory.cache import EstimateCache  # noqa: E402
+from k3train.planning.memory.estimate import estimate  # noqa: E402
 from k3train.planning.pinned import predict_pinned  # noqa: E402
 from k3train.planning.step_time.device import Device  # noqa: E402
 
@@ -108,13 +110,14 @@ def deepep_share(cfg: Any, lay: Any, dev: Device, routing: str) -> float:
     return max(intra / nv, inter / nic) / nccl if nccl > 0 else 1.0
 
 
-def predict_run(run: dict[str, Any], compute_eff: float | None = None) -> dict[str, Any]:
-    """One run's row: its prediction at the nearest layout, term by term, against the published figure."""
+def predict_run(run: dict[str, Any], compute_eff: float | None = None, split_p2p: bool = True) -> dict[str, Any]:
+    """One run's row: its prediction at the nearest layout, term by term, against the published figure
+    (``split_p2p``: with the pipeline's p2p share of the bubble, one simulation more; else it is None)."""
     near = run["k3train_nearest"]
     p = parse_flags(near["flags"])
     dev = p.device if compute_eff is None else dataclasses.replace(p.device, compute_eff=compute_eff)
     cfg = load_config(p.config, p.overrides, world_size=p.world)
-    lay, pred = predict_pinned(cfg, p.world, dev, p.skew)
+    lay, pred = predict_pinned(cfg, p.world, dev, p.skew, split_p2p)
     tokens = cfg.train.global_batch_size * cfg.train.seq_len
     tps = tokens / pred.step_s / p.world
     published = run["compare"]["tokens_per_s_per_gpu"]
@@ -126,7 +129,7 @@ def predict_run(run: dict[str, Any], compute_eff: float | None = None) -> dict[s
            "published": published, "ratio": tps / published,
            "terms": {"compute": pred.compute, "ep_all_to_all": by["ep_all_to_all"],
                      "dp_zero": by["grad_reduce"] + by["zero_param_gather"] + by["small_collectives"],
-                     "bubble": pred.bubble, "p2p_in_bubble": pred.detail["p2p_in_bubble_s"],
+                     "bubble": pred.bubble, "p2p_in_bubble": pred.detail.get("p2p_in_bubble_s"),
                      "optimizer": pred.optimizer},
            "unmatched": near.get("unmatched", []), "note": near.get("explain", "")}
     disp = near.get("dispatch")
@@ -157,16 +160,18 @@ def explain(row: dict[str, Any]) -> str:
 
 
 HEAD = ("run", "GPUs", "device", "layout", "pred tok/s/GPU", "MFU", "published", "ratio", "match", "compute s",
-        "EP a2a s", "DP/ZeRO s", "bubble s (p2p)", "opt s")
+        "EP a2a s", "DP/ZeRO s", "bubble s (p2p)", "opt s", "its dispatch: ratio")
 
 
 def cells(row: dict[str, Any]) -> list[str]:
     t = row["terms"]
     ok = "" if not row["runtime_match"] else (" ok" if abs(row["ratio"] - 1) <= WITHIN else " MISS")
+    p2p = f" ({t['p2p_in_bubble']:.2f})" if t["p2p_in_bubble"] is not None else ""
     return [row["id"], str(row["gpus"]), row["device"], row["layout"], f"{row['tokens_per_s_per_gpu']:,.0f}",
             f"{100 * row['mfu']:.1f}%", f"{row['published']:,}", f"{row['ratio']:.2f}",
             ("yes" if row["runtime_match"] else "no") + ok, f"{t['compute']:.2f}", f"{t['ep_all_to_all']:.2f}",
-            f"{t['dp_zero']:.2f}", f"{t['bubble']:.2f} ({t['p2p_in_bubble']:.2f})", f"{t['optimizer']:.2f}"]
+            f"{t['dp_zero']:.2f}", f"{t['bubble']:.2f}{p2p}", f"{t['optimizer']:.2f}",
+            f"{row['deepep']['ratio']:.2f}" if "deepep" in row else "-"]
 
 
 def format_table(rows: list[dict[str, Any]], markdown: bool) -> str:
@@ -189,7 +194,7 @@ def implied_eff(run: dict[str, Any]) -> float:
     lo, hi = 0.02, 1.0
 
     def tps(eff: float) -> float:
-        row = predict_run(run, eff)
+        row = predict_run(run, eff, split_p2p=False)
         return row["deepep"]["tokens_per_s_per_gpu"] if "deepep" in row else row["tokens_per_s_per_gpu"]
 
     target = run["compare"]["tokens_per_s_per_gpu"]
@@ -207,7 +212,8 @@ def print_implied(runs: list[dict[str, Any]]) -> None:
     effs = {r["id"]: implied_eff(r) for r in runs}
     for r in runs:
         print(f"{r['id']:<60} {effs[r['id']]:.3f}")
-    calib = [effs[r["id"]] for r in runs if (r["k3train_nearest"].get("dispatch") or {}).get("routing") == "consecutive"]
+    calib = [effs[r["id"]] for r in runs
+             if (r["k3train_nearest"].get("dispatch") or {}).get("routing") == "consecutive"]
     match = [effs[r["id"]] for r in runs if r["k3train_nearest"]["runtime_match"]]
     print(f"median over the {len(calib)} runs of AutoModel's balanced gate (the calibration): "
           f"{statistics.median(calib):.3f} (range {min(calib):.3f}-{max(calib):.3f}); over the {len(match)} runs "
@@ -216,13 +222,11 @@ def print_implied(runs: list[dict[str, Any]]) -> None:
 
 def memory_of(run: dict[str, Any]) -> str:
     """The layout's worst-rank memory estimate (tools/memory.py's) against the device."""
-    from k3train.planning.memory.cache import EstimateCache  # noqa: PLC0415 - lazy: only --memory traces
-    from k3train.planning.memory.estimate import estimate  # noqa: PLC0415 - lazy: as above
-
     p = parse_flags(run["k3train_nearest"]["flags"])
     est = estimate(load_config(p.config, p.overrides, world_size=p.world), p.world, EstimateCache())
     peak = max(x.peak for x in est.ranks)
-    return f"{peak / 2**30:.1f} GiB of {p.device.hbm_bytes / 2**30:.1f} ({'fits' if peak <= p.device.hbm_bytes else 'too big'})"
+    fits = "fits" if peak <= p.device.hbm_bytes else "too big"
+    return f"{peak / 2**30:.1f} GiB of {p.device.hbm_bytes / 2**30:.1f} ({fits})"
 
 
 def main(argv: list[str] | None = None) -> int:
