@@ -16,9 +16,10 @@ Achievable fractions of those peaks the step-time model uses:
   NeMo AutoModel's five H100 runs (DeepSeek-V3 on 256 and 1,024 GPUs, Kimi K2, Qwen3-30B-A3B on one node,
   gpt-oss-120b), predicted by this model at its layout with its dispatch's bytes (DeepEP: one row per token and
   destination node under the benchmark's balanced gate), needs 0.35 to 0.44 for its published step, median 0.39;
-  Megatron-Core's Qwen3-235B run with NCCL's all-to-all, not used for it, needs 0.39 too. Large GEMMs alone reach
-  0.6-0.7; a MoE step is grouped GEMMs of a few thousand rows each, attention, and memory-bound norms,
-  activations and permutations. Blackwell: the same fraction (no published run separates it).
+  not used for it, Megatron-Core's Qwen3-235B run with NCCL's all-to-all needs 0.41, its DeepEP runs across nodes
+  0.40, Megatron-Bridge's GB200 runs 0.37 and 0.39. Large GEMMs alone reach 0.6-0.7; a MoE step is grouped GEMMs
+  of a few thousand rows each, attention, and memory-bound norms, activations and permutations. Blackwell: the
+  same fraction (the GB200 runs agree with it).
 * ``link_eff`` 0.8 of the link bandwidth for collectives and p2p; ``hbm_eff`` 0.8 for memory-bound updates (AdamW,
   Muon's elementwise part).
 
