@@ -221,12 +221,27 @@ def print_implied(runs: list[dict[str, Any]]) -> None:
 
 
 def memory_of(run: dict[str, Any]) -> str:
-    """The layout's worst-rank memory estimate (tools/memory.py's) against the device."""
+    """The layout's worst-rank memory estimate (tools/memory.py's) against the device; when it does not fit and
+    does not recompute, its recompute twin's too, with that twin's prediction (k3train's nearest layout that may)."""
     p = parse_flags(run["k3train_nearest"]["flags"])
-    est = estimate(load_config(p.config, p.overrides, world_size=p.world), p.world, EstimateCache())
-    peak = max(x.peak for x in est.ranks)
-    fits = "fits" if peak <= p.device.hbm_bytes else "too big"
-    return f"{peak / 2**30:.1f} GiB of {p.device.hbm_bytes / 2**30:.1f} ({fits})"
+    cfg = load_config(p.config, p.overrides, world_size=p.world)
+
+    def peak_of(c: Any) -> tuple[float, str]:
+        peak = max(x.peak for x in estimate(c, p.world, EstimateCache()).ranks)
+        return peak, f"{peak / 2**30:.1f} GiB of {p.device.hbm_bytes / 2**30:.1f}"
+
+    peak, said = peak_of(cfg)
+    if peak <= p.device.hbm_bytes:
+        return said + " (fits)"
+    if cfg.parallel.recompute:
+        return said + " (too big)"
+    twin = load_config(p.config, p.overrides + ["--parallel.recompute=true"], world_size=p.world)
+    twin_peak, twin_said = peak_of(twin)
+    tps = twin.train.global_batch_size * twin.train.seq_len / predict_pinned(twin, p.world, p.device, p.skew,
+                                                                             False)[1].step_s / p.world
+    fits = "fits" if twin_peak <= p.device.hbm_bytes else "too big"
+    return (f"{said} (too big); with full recompute {twin_said} ({fits}), {tps:,.0f} tok/s/GPU "
+            f"(ratio {tps / run['compare']['tokens_per_s_per_gpu']:.2f})")
 
 
 def main(argv: list[str] | None = None) -> int:
