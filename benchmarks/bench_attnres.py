@@ -25,7 +25,7 @@ on CPU:
   Every other op runs equally often on the same shapes in both, so this is the residual's own cost, free of the
   host's drift (on one host the same op's time moved 10% between two adjacent steps).
 * saved bytes per micro-batch: storage bytes a micro-batch's forward leaves alive for its backward, booked by
-  :class:`k3train.planning.live_bytes.LiveBytes` (the counter the memory estimator and ``tools/memory.py
+  :class:`k3train.planning.fakerun.live_bytes.LiveBytes` (the counter the memory estimator and ``tools/memory.py
   --measure`` use) -- live bytes after minus before each forward (each of the rank's chunks of micro-batch 0 in
   the pipeline, summed; the most loaded rank). Deterministic: storage sizes, no allocator. Under pp the same is
   printed per (rank, local chunk): with ``parallel.recompute`` a chunk's forward keeps little more than its output
