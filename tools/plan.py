@@ -7,7 +7,9 @@ Enumerates every layout (pp, vpp, dp, cp, ep, MoonEP, ZeRO, micro-batch size, re
 validation accepts for the world size -- a ``--parallel.X=`` / ``--train.micro_batch_size=`` override pins that
 dimension -- drops those whose estimated per-rank peak (tools/memory.py's estimator) exceeds the device memory,
 predicts each step time with its breakdown (compute, exposed communication, bubble, optimizer) and prints the
-ranking. ``--device`` is ``cpu`` (calibrated here, cached) or ``h100`` / ``h200`` / ``b200`` (published figures);
+ranking. ``--device`` is ``cpu`` (calibrated here, cached), ``h100`` / ``h200`` / ``b200`` / ``gb200`` / ``gb300``
+(published figures) or a device file (YAML) of your cluster; ``--gpus-per-node``, ``--nvlink-domain`` and
+``--internode-gbit-s`` describe the cluster on top of it (k3train/planning/calibration/cluster.py);
 ``--device-field FIELD=VALUE`` overrides any field (k3train/planning/calibration/devices.py). ``--json``: one object
 with a ``layouts`` list. ``--plot F.png``: predicted throughput against peak memory, the chosen layout marked.
 ``--measure K``: the top K and a few of the slowest predicted layouts run for ``--steps`` real steps under torchrun
@@ -29,17 +31,23 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from k3train.config import ConfigError, load_config  # noqa: E402 - after the path set-up above
+from k3train.planning.calibration.cluster import cluster_flags  # noqa: E402
+from k3train.planning.calibration.devices import check_device  # noqa: E402
 from k3train.planning.scope import check_modelled  # noqa: E402
-from k3train.runtime.bad_input import is_bad_input, report_bad_input  # noqa: E402
+from k3train.runtime.bad_input import OneLineParser, is_bad_input, report_bad_input  # noqa: E402
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="tools/plan.py", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineParser(prog="tools/plan.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True)
     ap.add_argument("--world-size", type=int, required=True)
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", default="cpu", help="cpu, h100, h200, b200, gb200, gb300, or a device file (.yaml: "
+                                                     "k3train/planning/calibration/cluster.py)")
     ap.add_argument("--device-field", action="append", default=[], metavar="FIELD=VALUE")
+    # the cluster, on top of the device (k3train/planning/calibration/cluster.py)
+    ap.add_argument("--gpus-per-node", type=int, default=None)
+    ap.add_argument("--nvlink-domain", type=int, default=None, help="GPUs one NVLink fabric joins (NVL72: 72)")
+    ap.add_argument("--internode-gbit-s", type=float, default=None, help="scale-out NIC bandwidth per GPU, Gb/s")
     ap.add_argument("--calibration", default=None, help="cpu calibration cache (default ~/.cache/k3train/...)")
     ap.add_argument("--top", type=int, default=10)
     ap.add_argument("--measure", type=int, default=0, metavar="K")
@@ -111,6 +119,7 @@ def _checked(args: argparse.Namespace, overrides: list[str]) -> list[str]:
             raise ConfigError(f"{k}: out of range")
     if args.ep_skew < 1:
         raise ConfigError(f"--ep-skew: must be >= 1 (max load / mean load), got {args.ep_skew}")
+    check_device(args.device, args.device_field, cluster_flags(vars(args)))
     check_modelled(load_config(args.config, overrides))  # the base config itself (keys, types) before any work
     ref_over = args.reference.split() if args.reference else []
     if ref_over:
@@ -157,7 +166,8 @@ def _plan(args: argparse.Namespace, overrides: list[str], log: Any) -> _Planned:
     cal_file = cache_path(args.calibration)
     cal_before = cal_file.read_bytes() if args.device.lower() == "cpu" and cal_file.exists() else None
     others = OthersCpu()  # a calibration taken beside other work is discarded (_keep_calibration)
-    dev = get_device(args.device, args.world_size, args.device_field, args.calibration, log)
+    dev = get_device(args.device, args.world_size, args.device_field, args.calibration, log,
+                     cluster_flags(vars(args)))
 
     lt = (LayerTimes(cache_path(args.calibration), dev.threads, log, config=args.config, overrides=overrides)
           if dev.is_cpu else None)

@@ -58,9 +58,9 @@ def _device_key(device: torch.device) -> str:
 
 def resolve_peak_flops(configured: float, device: torch.device) -> tuple[float, str]:
     """The MFU denominator (FLOP/s per rank) and where it came from: ``logging.peak_flops`` when set, on a GPU
-    named in ``k3train.reporting.device_peaks.CUDA_BF16_PEAKS`` (H100 / H200 / B200) its published dense bf16 peak, else
-    the BEST of every measurement (:func:`measure_peak_flops`, 0.3 s per start) on this host and device kind, kept
-    in :func:`peak_flops_cache_path`. A peak is a maximum: a measurement taken while other work shares the cores
+    named in ``k3train.reporting.device_peaks.CUDA_BF16_PEAKS`` (H100 / H200 / B200 / GB200 / GB300) its published
+    dense bf16 peak, else the BEST of every measurement (:func:`measure_peak_flops`, 0.3 s per start) on this host
+    and device kind, kept in :func:`peak_flops_cache_path`. A peak is a maximum: a measurement taken while other work shares the cores
     comes out low (a run started beside a test suite once cached a fifth of the idle figure and every later run
     reported MFU above 100%), so a lower reading never replaces a higher one; the figure settles at the idle
     peak and then stays, so MFU compares between runs. Delete the file to start over (new hardware)."""

@@ -198,6 +198,7 @@ def test_published_bf16_peaks_by_cuda_device_name():
     assert published_bf16_peak("NVIDIA H100 80GB HBM3") == ("h100", 989e12)
     assert published_bf16_peak("NVIDIA H100 PCIe") == ("h100 pcie", 756e12)
     assert published_bf16_peak("NVIDIA B200") == ("b200", 2250e12)
+    assert published_bf16_peak("NVIDIA GB200") == ("gb200", 2500e12)  # not B200, whose name it contains
     assert published_bf16_peak("NVIDIA A100-SXM4-80GB") is None
 
 

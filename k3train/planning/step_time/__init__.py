@@ -25,7 +25,9 @@ Per virtual stage and micro-batch (``B = micro_batch_size`` rows of ``T = seq_le
   reduce-scatter backward, and under the causal balance two half-segment swaps each way (the layer's input and
   output, ``B x T/2 x d`` with the partner rank ``cp-1-r``, the CP group's link); KCP's short-convolution halo
   and per-micro-batch layout exchange; the MTP layer's on the last stage. Ring formulas (``(n-1)`` latency
-  steps, ``(n-1)/n x bytes`` per rank) on the link the group spans, plus ``Device.call_cost(kind)`` per call
+  steps, ``(n-1)/n x bytes`` per rank) on the link the group spans; the all-to-all as NCCL runs it, ``bytes / n`` to
+  every peer at once, those in the rank's NVLink domain over NVLink while the rest go over its NIC
+  (:func:`~k3train.planning.step_time.links.ring_time`); plus ``Device.call_cost(kind)`` per call
   (cpu: what a small all-reduce costs while every rank of the host computes, ``calibration.cpu_bench.bench_loaded_collective``:
   with more ranks than cores a collective waits for descheduled peers; GPUs: 0).
 * p2p: the cached AttnRes plan's payload per boundary (``memory.buffers.plan_bytes``) over the link between the two ranks.
@@ -48,6 +50,7 @@ balanced over owners at ZeRO >= 1 (not below the largest parameter); ZeRO >= 1 t
 parameters (all-gather bytes). ``--device cpu``: the trainer anchor (:class:`~k3train.planning.calibration.layer_times.
 TrainerAnchor`, one real one-process run of the config on this host) scales the measured layer and optimizer
 times to what the trainer takes, and adds the gradient norm's own work (the rank's share of the parameters) and the
-step's host work outside the timed phases (``Prediction.host``). Ranks are placed in ``ParallelDims``' order, ``gpus_per_node`` per node; a group
-whose ranks share a node uses NVLink, else the inter-node link.
+step's host work outside the timed phases (``Prediction.host``). Ranks are placed in ``ParallelDims``' order,
+``gpus_per_node`` a node and ``Device.nvlink_domain`` (a node, or an NVL72 rack) an NVLink domain; a group whose
+ranks share a domain uses NVLink, else the inter-node link.
 """

@@ -10,7 +10,7 @@ from k3train.planning.memory.buffers import plan_bytes
 from k3train.planning.step_time.comm import IN_ACTION_KINDS, comm_per_layer
 from k3train.planning.step_time.compute import layer_compute, routed_share
 from k3train.planning.step_time.device import Device
-from k3train.planning.step_time.links import node_of
+from k3train.planning.step_time.links import group_link
 from k3train.planning.step_time.overlap import layer_ops, own_row_share, side_timeline
 
 
@@ -100,6 +100,6 @@ def action_costs(cfg: Any, dev: Device, lay: Any, part: Any, plan: Any, layer_ti
         for bd in range(n - 1):
             nbytes = plan_bytes(plan, bd, lay.mbs, T, cfg.model.hidden_size, dtype)
             src, dst = (bd % lay.pp) * stride, ((bd + 1) % lay.pp) * stride
-            lat, bwid = dev.link(node_of(src, dev) == node_of(dst, dev))
+            lat, bwid = group_link((src, dst), dev)
             msg[bd] = (lat + dev.call_cost("p2p"), nbytes / bwid)
     return ActionCosts(f=f, b=b, f_comm=fc, b_comm=bc, msg_s=msg, comm_kinds=ck)

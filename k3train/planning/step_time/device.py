@@ -1,5 +1,10 @@
 """One device as the step-time model sees it: compute, memory, links and, on a cpu, how its ranks share the
-cores (the published GPUs and this host's cpu: :mod:`k3train.planning.calibration.devices`)."""
+cores (the published GPUs and this host's cpu: :mod:`k3train.planning.calibration.devices`; a cluster of your own:
+:mod:`k3train.planning.calibration.cluster`).
+
+Ranks are placed as torchrun and ``ParallelDims`` place them: rank ``r`` on node ``r // gpus_per_node``, in the
+NVLink domain ``r // nvlink_domain`` (the GPUs one NVLink fabric joins: a node of 8 on HGX/DGX H100, H200, B200; a
+rack of 72 on GB200 / GB300 NVL72). Two ranks of one domain talk over NVLink, any others over the inter-node NICs."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -17,6 +22,7 @@ class Device:
     nvlink_bw: float           # bytes/s one direction, inside a node (cpu: gloo between local processes)
     internode_bw: float        # bytes/s one direction per device across nodes
     gpus_per_node: int = 8
+    nvlink_domain: int = 0     # GPUs one NVLink fabric joins (0: a node, ``gpus_per_node``)
     lat_intra: float = 5e-6    # seconds per message / ring step inside a node
     lat_inter: float = 12e-6   # across nodes
     call_lat: dict[str, float] = field(default_factory=dict)  # per collective kind: seconds per call on top of its
@@ -58,8 +64,17 @@ class Device:
         p2p batches, which synchronise the same way)."""
         return self.call_lat.get(kind, self.call_lat.get("all_to_all", 0.0) if kind == "p2p" else 0.0)
 
+    @property
+    def domain_size(self) -> int:
+        """GPUs per NVLink domain."""
+        return max(1, self.nvlink_domain or self.gpus_per_node)
+
+    def domain_of(self, rank: int) -> int:
+        """The NVLink domain of global rank ``rank`` (module docstring)."""
+        return rank // self.domain_size
+
     def link(self, intra: bool) -> tuple[float, float]:
-        """``(latency s, bandwidth bytes/s)`` of a link inside (``intra``) or across nodes."""
+        """``(latency s, bandwidth bytes/s)`` of a link inside an NVLink domain (``intra``) or between domains."""
         if intra:
             return self.lat_intra, self.nvlink_bw * self.link_eff
         return self.lat_inter, self.internode_bw * self.link_eff
@@ -69,6 +84,8 @@ class Device:
              f"{self.hbm_bytes / 2**30:.1f} GiB at {self.hbm_bw / GB:.3g} GB/s, intra-node {self.nvlink_bw / GB:.3g} "
              f"GB/s, inter-node {self.internode_bw / GB:.3g} GB/s (x {self.link_eff:.2f}), "
              f"{self.gpus_per_node} per node")
+        if self.domain_size != self.gpus_per_node:
+            s += f", NVLink domains of {self.domain_size}"
         if self.is_cpu:
             s += f", {self.cores} cores, {self.threads} thread(s)/rank; calibration {self.calibration.get('path', '')}"
             taken = self.calibration.get("taken")
