@@ -25,7 +25,7 @@ on CPU:
   Every other op runs equally often on the same shapes in both, so this is the residual's own cost, free of the
   host's drift (on one host the same op's time moved 10% between two adjacent steps).
 * saved bytes per micro-batch: storage bytes a micro-batch's forward leaves alive for its backward, booked by
-  :class:`k3train.planning.live_bytes.LiveBytes` (the counter the memory estimator and ``tools/memory.py
+  :class:`k3train.planning.fakerun.live_bytes.LiveBytes` (the counter the memory estimator and ``tools/memory.py
   --measure`` use) -- live bytes after minus before each forward (each of the rank's chunks of micro-batch 0 in
   the pipeline, summed; the most loaded rank). Deterministic: storage sizes, no allocator. Under pp the same is
   printed per (rank, local chunk): with ``parallel.recompute`` a chunk's forward keeps little more than its output
@@ -270,7 +270,7 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.2f}"
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(ROOT / "configs" / "small.yaml"))
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
@@ -284,7 +284,83 @@ def main() -> None:
                          "call counts differ between the residuals, per rank (free of the host's drift)")
     ap.add_argument("--aggregation", action="store_true",
                     help="only time one AttnRes aggregation + pre-norm: fused vs the autograd reference")
-    args, overrides = ap.parse_known_args()
+    return ap
+
+
+def _same_partition(config: str, layout: str, overrides: list[str]) -> list[str]:
+    """The overrides of both residuals' runs of ``layout``: at pp > 1 (unless ``--parallel.pp_layers`` is given)
+    both on the AttnRes run's partition (the cost model and the cut tie-break differ by residual)."""
+    pp, vpp = LAYOUTS[layout]
+    same = list(overrides)
+    if pp > 1 and not any(o.startswith("--parallel.pp_layers") for o in overrides):
+        ref = make_cfg(config, "attnres", pp, vpp, False, overrides)
+        sizes = build_partition(ref.model, ref.parallel, ref.train.seq_len).layers_per_stage()
+        same.append(f"--parallel.pp_layers=[{','.join(map(str, sizes))}]")
+        print(f"{layout}: layers per virtual stage {sizes} for both residuals")
+    return same
+
+
+def _spread(residual: str, per_step: dict[str, list[float]], per_cpu: dict[str, list[float]]
+            ) -> tuple[str, str]:
+    """A timed residual's overhead column (median of the step pairs against the standard residual) and, for
+    AttnRes, the pairs' range, the quartets and the main-thread CPU quartets."""
+    spread = ""
+    pairs = [a / b - 1 for a, b in zip(per_step[residual], per_step["standard"])]
+    over = f"{100 * statistics.median(pairs):+7.1f}%"
+    if residual != "standard":
+        spread = f"  pairs {100 * min(pairs):+.1f}..{100 * max(pairs):+.1f}%"
+        quart = quartets(per_step[residual], per_step["standard"])
+        if quart:
+            spread += (f"; quartets {100 * statistics.median(quart):+.1f}% "
+                       f"({100 * min(quart):+.1f}..{100 * max(quart):+.1f}%, {len(quart)})")
+        cq = quartets(per_cpu[residual], per_cpu["standard"])
+        if cq:
+            spread += f"; main-thread CPU quartets {100 * statistics.median(cq):+.1f}%"
+    return over, spread
+
+
+def _print_profiles(profiles: dict[str, list[dict[str, Any]]]) -> None:
+    for r, (pa, pb) in enumerate(zip(profiles["attnres"], profiles["standard"])):
+        excl, shared, top = op_overhead(pa, pb)
+        extra = excl + shared
+        print(f"  profiled rank {r}: AttnRes's own ops {1e3 * extra:+.1f} ms ({1e3 * excl:+.1f} in ops only "
+              f"one residual calls, {1e3 * shared:+.1f} estimated in extra calls of shared ops) of a "
+              f"{pb['step_s']:.2f} s standard step ({100 * extra / pb['step_s']:+.2f}%); steps "
+              f"{pa['step_s']:.2f} / {pb['step_s']:.2f} s; largest: "
+              + ", ".join(f"{key} {1e3 * v:+.0f} ms" for key, v in top))
+
+
+def bench_layout(args: argparse.Namespace, layout: str, rc: str, same: list[str], steps: int, warmup: int) -> None:
+    """Both residuals of one layout and recompute setting: a row each, the saved bytes per chunk at pp > 1, and
+    the profiles when asked."""
+    pp, vpp = LAYOUTS[layout]
+    res = {}
+    cfgs = [make_cfg(args.config, residual, pp, vpp, rc == "on", same) for residual in RESIDUALS]
+    per_step, per_cpu = {}, {}
+    profiles, chunks = {}, {}
+    for residual, ranks in zip(RESIDUALS, run_layout(cfgs, pp, steps, warmup, args.profile)):
+        profiles[residual] = [r["ops"] for r in ranks]
+        per_step[residual] = [max(ts) for ts in zip(*(r["times"] for r in ranks))]   # slowest rank
+        per_cpu[residual] = [max(cs) for cs in zip(*(r["cpu"] for r in ranks))]
+        t = statistics.median(per_step[residual]) if steps else float("nan")
+        res[residual] = (t, max(r["saved_mb0"] for r in ranks), max(r["peak"] for r in ranks))
+        chunks[residual] = {(r["rank"], c): b for r in ranks for c, b in r["saved_chunks"].items()}
+    std = res["standard"]
+    for residual in RESIDUALS:
+        t, sv, pk = res[residual]
+        over, spread = _spread(residual, per_step, per_cpu) if steps else (f"{'-':>8}", "")
+        print(f"{layout:<8} {rc:<9} {residual:<9} | {t:>8.3f} {over} | {_mib(sv):>12} "
+              f"{sv / max(std[1], 1):>6.3f} | {_mib(pk):>12} {pk / max(std[2], 1):>6.3f}{spread}")
+    if pp > 1:  # where the saved bytes differ: the forward of each (rank, local chunk) of micro-batch 0
+        print("  saved MiB of micro-batch 0 per (rank, local chunk), attnres / standard: " + ", ".join(
+            f"r{r} c{c} {_mib(b)} / {_mib(chunks['standard'].get((r, c), 0))}"
+            for (r, c), b in sorted(chunks["attnres"].items())))
+    if args.profile:
+        _print_profiles(profiles)
+
+
+def main() -> None:
+    args, overrides = _parser().parse_known_args()
     if args.aggregation:
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
         bench_aggregation(make_cfg(args.config, "attnres", 1, 1, False, overrides))
@@ -294,57 +370,9 @@ def main() -> None:
     print(f"{'layout':<8} {'recompute':<9} {'residual':<9} | {'step s':>8} {'overhead':>8} | "
           f"{'saved MiB/mb':>12} {'ratio':>6} | {'act peak MiB':>12} {'ratio':>6}")
     for layout in args.layouts:
-        pp, vpp = LAYOUTS[layout]
-        same = list(overrides)
-        if pp > 1 and not any(o.startswith("--parallel.pp_layers") for o in overrides):
-            # both residuals on the AttnRes run's partition (the cost model and the cut tie-break differ by residual)
-            ref = make_cfg(args.config, "attnres", pp, vpp, False, overrides)
-            sizes = build_partition(ref.model, ref.parallel, ref.train.seq_len).layers_per_stage()
-            same.append(f"--parallel.pp_layers=[{','.join(map(str, sizes))}]")
-            print(f"{layout}: layers per virtual stage {sizes} for both residuals")
+        same = _same_partition(args.config, layout, overrides)
         for rc in args.recompute:
-            res = {}
-            cfgs = [make_cfg(args.config, residual, pp, vpp, rc == "on", same) for residual in RESIDUALS]
-            per_step, per_cpu = {}, {}
-            profiles, chunks = {}, {}
-            for residual, ranks in zip(RESIDUALS, run_layout(cfgs, pp, steps, warmup, args.profile)):
-                profiles[residual] = [r["ops"] for r in ranks]
-                per_step[residual] = [max(ts) for ts in zip(*(r["times"] for r in ranks))]   # slowest rank
-                per_cpu[residual] = [max(cs) for cs in zip(*(r["cpu"] for r in ranks))]
-                t = statistics.median(per_step[residual]) if steps else float("nan")
-                res[residual] = (t, max(r["saved_mb0"] for r in ranks), max(r["peak"] for r in ranks))
-                chunks[residual] = {(r["rank"], c): b for r in ranks for c, b in r["saved_chunks"].items()}
-            std = res["standard"]
-            for residual in RESIDUALS:
-                t, sv, pk = res[residual]
-                over, spread = f"{'-':>8}", ""
-                if steps:
-                    pairs = [a / b - 1 for a, b in zip(per_step[residual], per_step["standard"])]
-                    over = f"{100 * statistics.median(pairs):+7.1f}%"
-                    if residual != "standard":
-                        spread = f"  pairs {100 * min(pairs):+.1f}..{100 * max(pairs):+.1f}%"
-                        quart = quartets(per_step[residual], per_step["standard"])
-                        if quart:
-                            spread += (f"; quartets {100 * statistics.median(quart):+.1f}% "
-                                       f"({100 * min(quart):+.1f}..{100 * max(quart):+.1f}%, {len(quart)})")
-                        cq = quartets(per_cpu[residual], per_cpu["standard"])
-                        if cq:
-                            spread += f"; main-thread CPU quartets {100 * statistics.median(cq):+.1f}%"
-                print(f"{layout:<8} {rc:<9} {residual:<9} | {t:>8.3f} {over} | {_mib(sv):>12} "
-                      f"{sv / max(std[1], 1):>6.3f} | {_mib(pk):>12} {pk / max(std[2], 1):>6.3f}{spread}")
-            if pp > 1:  # where the saved bytes differ: the forward of each (rank, local chunk) of micro-batch 0
-                print("  saved MiB of micro-batch 0 per (rank, local chunk), attnres / standard: " + ", ".join(
-                    f"r{r} c{c} {_mib(b)} / {_mib(chunks['standard'].get((r, c), 0))}"
-                    for (r, c), b in sorted(chunks["attnres"].items())))
-            if args.profile:
-                for r, (pa, pb) in enumerate(zip(profiles["attnres"], profiles["standard"])):
-                    excl, shared, top = op_overhead(pa, pb)
-                    extra = excl + shared
-                    print(f"  profiled rank {r}: AttnRes's own ops {1e3 * extra:+.1f} ms ({1e3 * excl:+.1f} in ops only "
-                          f"one residual calls, {1e3 * shared:+.1f} estimated in extra calls of shared ops) of a "
-                          f"{pb['step_s']:.2f} s standard step ({100 * extra / pb['step_s']:+.2f}%); steps "
-                          f"{pa['step_s']:.2f} / {pb['step_s']:.2f} s; largest: "
-                          + ", ".join(f"{key} {1e3 * v:+.0f} ms" for key, v in top))
+            bench_layout(args, layout, rc, same, steps, warmup)
     print("quartets: two consecutive step pairs, which ran in opposite orders (A B then B A), as one ratio "
           "(A_i + A_i+1) / (B_i + B_i+1) - 1, so that a drift linear over the four steps cancels; main-thread CPU: the "
           "same on the slowest rank's compute-thread CPU seconds (no receive or scheduler waits)")

@@ -9,7 +9,7 @@
    RSS before (the built model) and peak RSS;
 2. import: the same ranks build the model again and load that checkpoint (k3train/hf/load.py: each rank its own
    tensors, expert rows by slice) -- per rank: seconds, bytes read, RSS before and peak;
-3. K3 on its planned layout (the planner's reference recipe, README "Tools"): from the model's tensor plan and
+3. K3 on its planned layout (the planner's reference recipe, docs/huggingface.md): from the model's tensor plan and
    the pipeline partition, the bytes each pipeline rank reads (published dtypes: bf16, fp32 for A_log / dt_bias /
    convs / router, MXFP4 routed experts) and writes, the largest transient one tensor's conversion needs, and the
    time at the import throughput measured in step 2 (a page-cache rate on this machine: a lower bound where the

@@ -3,7 +3,7 @@
 the dense reference (``MLA.attention_op = attention_core``: SDPA on fully expanded K/V with a dense mask).
 
 Per T (one document per row, the causal worst case): wall time of forward + backward (one thread, the best of
-``--repeats``) and the peak live tensor bytes above the start (:class:`k3train.planning.live_bytes.LiveBytes`,
+``--repeats``) and the peak live tensor bytes above the start (:class:`k3train.planning.fakerun.live_bytes.LiveBytes`,
 a separate run: the dispatch mode slows ops down). Dense runs while its estimated peak (``16 H T^2`` bytes:
 scores, probabilities and their gradients in fp32, the mask) stays under ``--dense-limit-gib``.
 

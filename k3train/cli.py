@@ -162,11 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     if sub in TOOLS:
         return run_tool(TOOLS[sub], rest)
     if sub == "import-hf":
-        from k3train.hf.commands import import_hf_main  # noqa: PLC0415 - lazy: k3train.hf loads torch
+        from k3train.hf_commands import import_hf_main  # noqa: PLC0415 - lazy: k3train.hf loads torch
 
         return import_hf_main(rest)
     if sub == "export-hf":
-        from k3train.hf.commands import export_hf_main  # noqa: PLC0415 - lazy: k3train.hf loads torch
+        from k3train.hf_commands import export_hf_main  # noqa: PLC0415 - lazy: k3train.hf loads torch
 
         return export_hf_main(rest)
     return report_bad_input(f"unknown command {sub!r}; one of: train, check, {', '.join(TOOLS)}, plot, import-hf, "

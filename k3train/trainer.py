@@ -213,20 +213,46 @@ class Trainer:
         dist.all_reduce(t, op=op, group=self.dims.group("pp"))
         return dict(zip(keys, t.tolist()))
 
+    def _loss_norm(self, micro_batches: Any) -> tuple[Any, Any]:
+        """The step's loss normalisation -- global loss-token counts: this rank's micro-batches summed over every
+        rank holding other rows/segments -- and its forward + backward: the model's, or the draft's
+        (train.objective=eagle3, k3train/draft/objective.py)."""
+        cfg, draft = self.cfg, self.pm.draft
+        if draft is None:
+            mtp_w = cfg.model.mtp_loss_weight if cfg.model.num_nextn_predict_layers else 0.0
+            norm = LossNorm.from_batches(micro_batches, mtp_w, group=self.dims.group("dp_cp"),
+                                         device=self._comm_device)
+            return norm, self.pm.forward_backward
+        norm = draft.norm(micro_batches, group=self.dims.group("dp_cp"), device=self._comm_device)
+        return norm, draft.forward_backward
+
+    def _apply_or_skip(self, finite: bool, lr: float, fb: Any, micro_batches: Any, norm: Any
+                       ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], float, dict[str, Any] | None]:
+        """A finite step moves the Quantile Balancing biases, then the optimizer steps; a non-finite one is
+        skipped: name the first non-finite module (a diagnostic re-run on every rank), change nothing. Returns
+        ``(moe_worst, moe_totals, optimizer stats, optimizer seconds, the non-finite report or None)``."""
+        if finite:
+            moe_worst, moe_totals = self.pm.sync_router_balance()  # QB biases move only on an applied step
+            t_opt = time.perf_counter()
+            ostats = self.optimizer.step(lr)
+            return moe_worst, moe_totals, ostats, time.perf_counter() - t_opt, None
+
+        def rerun() -> None:  # unpaired (parallel.overlap_ep): the diagnosis hooks follow one thread
+            self.optimizer.zero_grad()
+            with self.pm.runner.unpaired():
+                fb(micro_batches, norm)
+
+        report = self.nonfinite.diagnose(rerun)
+        self.optimizer.zero_grad()
+        self.pm.discard_step_statistics()
+        return {}, {}, self.optimizer.skip_step(), 0.0, report
+
     def train_step(self) -> dict[str, Any]:
         cfg = self.cfg
         t0 = time.perf_counter()
         micro_batches = self.loader.next_step()
         draft = self.pm.draft  # train.objective=eagle3 (k3train/draft/objective.py)
-        # global loss-token counts: this rank's micro-batches summed over every rank holding other rows/segments
-        if draft is None:
-            mtp_w = cfg.model.mtp_loss_weight if cfg.model.num_nextn_predict_layers else 0.0
-            norm = LossNorm.from_batches(micro_batches, mtp_w, group=self.dims.group("dp_cp"),
-                                         device=self._comm_device)
-            fb = self.pm.forward_backward
-        else:
-            norm = draft.norm(micro_batches, group=self.dims.group("dp_cp"), device=self._comm_device)
-            fb = draft.forward_backward
+        norm, fb = self._loss_norm(micro_batches)
         self.nonfinite.begin_step(self.step + 1)
         self.optimizer.zero_grad()
         t_fb = time.perf_counter()
@@ -241,24 +267,8 @@ class Trainer:
         drafted = draft.metrics(self._all_reduce_sum(draft.flat(stats))) if draft is not None else {}
         loss = drafted.pop("loss") if draft is not None else sums[0] / max(1, norm.lm_tokens)
         lr = self._lr_at(self.step, cfg.optim, cfg.train.steps)
-        report = None
-        if step_is_finite(grad_norm, [*sums[:2], loss]):
-            moe_worst, moe_totals = self.pm.sync_router_balance()  # QB biases move only on an applied step
-            t_opt = time.perf_counter()
-            ostats = self.optimizer.step(lr)
-            t_opt = time.perf_counter() - t_opt
-        else:  # skip: name the first non-finite module (a diagnostic re-run on every rank), change nothing
-            def rerun() -> None:  # unpaired (parallel.overlap_ep): the diagnosis hooks follow one thread
-                self.optimizer.zero_grad()
-                with self.pm.runner.unpaired():
-                    fb(micro_batches, norm)
-
-            report = self.nonfinite.diagnose(rerun)
-            self.optimizer.zero_grad()
-            self.pm.discard_step_statistics()
-            moe_worst, moe_totals = {}, {}
-            ostats = self.optimizer.skip_step()
-            t_opt = 0.0
+        finite = step_is_finite(grad_norm, [*sums[:2], loss])
+        moe_worst, moe_totals, ostats, t_opt, report = self._apply_or_skip(finite, lr, fb, micro_batches, norm)
         self.step += 1
         self.nonfinite.after_step(self.step, report is not None, f"loss {loss:.4g} / grad norm {grad_norm:.4g}",
                                   report)

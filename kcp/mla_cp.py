@@ -37,7 +37,7 @@ splitting key-block work      q (2.4 KB) out + o and lse in fp32 (49.5 KB)  ~8.0
 The swap adds 0.94 GB each way per MLA layer forward (about 19 ms on a 400 Gb/s inter-node link, the pairs
 ``(r, 15 - r)`` sit on different nodes of 8 GPUs) and saves 7.5 of 15.5 units on the slowest rank: at the
 planner's H200 rate the attention of one unit is about 0.5 s forward, so about 4 s forward and 8 s backward per
-MLA layer and micro-batch (``tools/plan.py`` models both, :func:`k3train.planning.step_time.comm_per_layer`).
+MLA layer and micro-batch (``tools/plan.py`` models both, :func:`k3train.planning.step_time.comm.comm_per_layer`).
 
 **Keys each rank keeps.** Rank ``r`` keeps the latents of segments ``0..max(r, p)`` (its own queries' prefix and
 its partner's). Their doc ids: a rank knows every segment's edge summary (:mod:`kcp.edges`) and its own doc ids;

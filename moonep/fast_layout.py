@@ -31,7 +31,7 @@ host-built index tensors; here:
 from __future__ import annotations
 
 import heapq
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -138,21 +138,21 @@ def _running(size: int, starts: torch.Tensor, steps: torch.Tensor) -> torch.Tens
     return inc.cumsum_(0)
 
 
-def fast_rank_layout(plan: Plan, takes: np.ndarray, counts_by_src: np.ndarray, me: int,
-                     by_expert: torch.Tensor) -> RankLayout:
-    """:func:`moonep.layout.build_rank_layout`'s layout of rank ``me`` (identical tensors and lists), plus
-    ``cross_rows`` for the metrics and the compute-group offsets already on the device; ``split`` is None.
+class _Intervals(NamedTuple):
+    """The replicated experts (computed on more than one rank) and their token intervals: ``[m, R]`` destination
+    intervals ``[a_lo, a_hi)`` (the plan's allocation) and ``[R, m]`` source intervals ``[p_lo, p_hi)`` (the
+    counts); an entry goes from source s to destination d where the two meet."""
 
-    ``counts_by_src``: the host ``[R, E]`` counts (:func:`counts_to_host`); ``by_expert``: this rank's flat route
-    indices sorted by expert, stable (:func:`moonep.layout.local_route_positions`). No host synchronisation.
-    """
-    R, E, n = plan.num_ranks, plan.num_experts, plan.experts_per_rank
-    cbs = counts_by_src
-    device = by_expert.device
-    n_routes = by_expert.numel()
-    owner = np.arange(E) // n
-    t_e, t_d = takes[:, 0], takes[:, 1]
-    is_rep = np.bincount(t_e, minlength=E) > 0  # experts computed on more than one rank
+    rep: np.ndarray  # [m] the replicated experts
+    rep_of: np.ndarray  # [E] expert -> its row among `rep` (where replicated)
+    a_lo: np.ndarray
+    a_hi: np.ndarray
+    p_lo: np.ndarray
+    p_hi: np.ndarray
+
+
+def _intervals(plan: Plan, takes: np.ndarray, cbs: np.ndarray) -> _Intervals:
+    is_rep = np.bincount(takes[:, 0], minlength=plan.num_experts) > 0  # experts computed on more than one rank
     rep = np.flatnonzero(is_rep)
     rep_of = np.cumsum(is_rep) - 1  # expert -> its row among `rep` (where is_rep)
     alloc_rep = plan.alloc[rep]
@@ -161,15 +161,26 @@ def fast_rank_layout(plan: Plan, takes: np.ndarray, counts_by_src: np.ndarray, m
     c_rep = cbs[:, rep]
     p_hi = np.cumsum(c_rep, 0)  # [R, m] source intervals
     p_lo = p_hi - c_rep
+    return _Intervals(rep, rep_of, a_lo, a_hi, p_lo, p_hi)
 
-    # ---- send side. The send buffer is destination-major; at destination d, d's own experts (local order) and
-    # then its replica slots. My entries of an expert go to its owner (all of them unless replicated); those of a
-    # replicated expert split over its hosts where my source interval meets their destination intervals.
+
+def _send_segments(plan: Plan, takes: np.ndarray, cbs: np.ndarray, me: int,
+                   iv: _Intervals) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The send side: ``(seg_n, send_delta, send_splits)``, the non-empty segments (expert, destination) in the
+    order of ``by_expert`` with each one's block move into the send buffer, and the entries per destination.
+
+    The send buffer is destination-major; at destination d, d's own experts (local order) and then its replica
+    slots. My entries of an expert go to its owner (all of them unless replicated); those of a replicated expert
+    split over its hosts where my source interval meets their destination intervals."""
+    R, E, n = plan.num_ranks, plan.num_experts, plan.experts_per_rank
+    owner = np.arange(E) // n
+    t_e, t_d = takes[:, 0], takes[:, 1]
+    rep = iv.rep
     mine = cbs[me]
-    ov = _overlap(p_lo[me][:, None], p_hi[me][:, None], a_lo, a_hi)  # [m, R] my entries of e going to d
+    ov = _overlap(iv.p_lo[me][:, None], iv.p_hi[me][:, None], iv.a_lo, iv.a_hi)  # [m, R] my entries of e going to d
     own_n = mine.copy()
     own_n[rep] = ov[np.arange(rep.size), owner[rep]]
-    foreign_n = ov[rep_of[t_e], t_d]  # takes are in (receiver, slot) order: the send order within a receiver
+    foreign_n = ov[iv.rep_of[t_e], t_d]  # takes are in (receiver, slot) order: the send order within a receiver
     own_by_d = own_n.reshape(R, n)
     own_tot = own_by_d.sum(1)
     foreign_tot = np.bincount(t_d, weights=foreign_n, minlength=R).astype(np.int64)
@@ -187,8 +198,16 @@ def fast_rank_layout(plan: Plan, takes: np.ndarray, counts_by_src: np.ndarray, m
     keep = seg_n > 0
     seg_n, seg_start = seg_n[keep], seg_start[keep]
     send_delta = seg_start - _excl_cumsum(seg_n)
+    return seg_n, send_delta, send_splits
 
-    # ---- receive side: the experts this rank computes (own, then replica slots) by source
+
+def _receive_blocks(plan: Plan, cbs: np.ndarray, me: int
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The receive side, the experts this rank computes (own, then replica slots) by source: ``(blocks,
+    recv_delta, recv_splits, group_counts, offsets)``, the received ``(source, group)`` blocks in compute order
+    (group-major, source-minor) with each one's block move, the entries per source and per group, and the
+    compute groups' end offsets (own experts, then replica slots)."""
+    R, n = plan.num_ranks, plan.experts_per_rank
     hosted = np.concatenate([np.arange(me * n, (me + 1) * n), np.array(plan.replicas[me], dtype=np.int64)])
     ch = cbs[:, hosted]
     hi_src = np.cumsum(ch, 0)
@@ -202,27 +221,53 @@ def fast_rank_layout(plan: Plan, takes: np.ndarray, counts_by_src: np.ndarray, m
     src_start = (_excl_cumsum(recv_splits)[:, None] + np.cumsum(per_src_group, 1) - per_src_group).T.reshape(-1)
     recv_delta = src_start - _excl_cumsum(blocks)
     offsets = np.concatenate([np.cumsum(group_counts[:n]), np.cumsum(group_counts[n:])])
+    return blocks, recv_delta, recv_splits, group_counts, offsets
 
-    # ---- metrics: entries that stay on their source rank
+
+def _cross_rows(plan: Plan, cbs: np.ndarray, iv: _Intervals) -> int:
+    """For the metrics: the entries that leave their source rank (all but those that stay)."""
+    R, n = plan.num_ranks, plan.experts_per_rank
     stay = cbs.reshape(R, R, n)[np.arange(R), np.arange(R)].reshape(-1)  # [E]: owner's own entries
-    local = int(stay.sum() - stay[rep].sum()) + int(_overlap(p_lo, p_hi, a_lo.T, a_hi.T).sum())
-    cross = int(plan.counts.sum()) - local
+    local = int(stay.sum() - stay[iv.rep].sum()) + int(_overlap(iv.p_lo, iv.p_hi, iv.a_lo.T, iv.a_hi.T).sum())
+    return int(plan.counts.sum()) - local
 
-    # ---- device: one packed copy, then block moves. A block move is a running sum: the target of entry j of
-    # a block is j + delta(block), so its increment is 1 inside a block and 1 + delta(b) - delta(b - 1) at block
-    # b's first entry (blocks are non-empty). ones + one small scatter + cumsum is far cheaper than
-    # repeat_interleave + add on a CPU, and on a GPU it is three kernels either way.
+
+def _device_moves(seg_n: np.ndarray, send_delta: np.ndarray, blocks: np.ndarray, recv_delta: np.ndarray,
+                  offsets: np.ndarray, rows: int, by_expert: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(send_order, recv_perm, offsets on the device)``: one packed copy, then block moves. A block move is a
+    running sum: the target of entry j of a block is j + delta(block), so its increment is 1 inside a block and
+    1 + delta(b) - delta(b - 1) at block b's first entry (blocks are non-empty). ones + one small scatter + cumsum
+    is far cheaper than repeat_interleave + add on a CPU, and on a GPU it is three kernels either way."""
     nz = blocks > 0
     blocks, recv_delta = blocks[nz], recv_delta[nz]
     s, b = seg_n.size, blocks.size
     packed = torch.from_numpy(np.concatenate([_excl_cumsum(seg_n), _step_values(send_delta), _excl_cumsum(blocks),
                                               _step_values(recv_delta), offsets]).astype(np.int64))
-    packed = packed.to(device, non_blocking=True)
-    send_order = torch.empty_like(by_expert).scatter_(0, _running(n_routes, packed[:s], packed[s:2 * s]), by_expert)
-    rows = int(recv_splits.sum())
+    packed = packed.to(by_expert.device, non_blocking=True)
+    send_order = torch.empty_like(by_expert).scatter_(0, _running(by_expert.numel(), packed[:s], packed[s:2 * s]),
+                                                      by_expert)
     recv_perm = _running(rows, packed[2 * s:2 * s + b], packed[2 * s + b:2 * s + 2 * b])
-    offsets_t = packed[2 * s + 2 * b:].to(torch.int32)
+    return send_order, recv_perm, packed[2 * s + 2 * b:].to(torch.int32)
 
+
+def fast_rank_layout(plan: Plan, takes: np.ndarray, counts_by_src: np.ndarray, me: int,
+                     by_expert: torch.Tensor) -> RankLayout:
+    """:func:`moonep.layout.build_rank_layout`'s layout of rank ``me`` (identical tensors and lists), plus
+    ``cross_rows`` for the metrics and the compute-group offsets already on the device; ``split`` is None.
+
+    ``counts_by_src``: the host ``[R, E]`` counts (:func:`counts_to_host`); ``by_expert``: this rank's flat route
+    indices sorted by expert, stable (:func:`moonep.layout.local_route_positions`). No host synchronisation.
+    """
+    R, n = plan.num_ranks, plan.experts_per_rank
+    cbs = counts_by_src
+    iv = _intervals(plan, takes, cbs)
+    seg_n, send_delta, send_splits = _send_segments(plan, takes, cbs, me, iv)
+    blocks, recv_delta, recv_splits, group_counts, offsets = _receive_blocks(plan, cbs, me)
+    cross = _cross_rows(plan, cbs, iv)
+    send_order, recv_perm, offsets_t = _device_moves(seg_n, send_delta, blocks, recv_delta, offsets,
+                                                     int(recv_splits.sum()), by_expert)
+    owner = np.arange(plan.num_experts) // n
     recvs = [WeightTransfer(e, int(owner[e]), me, sl) for sl, e in enumerate(plan.replicas[me])]
     homes = plan.home.tolist()
     sends = [WeightTransfer(e, me, d, sl) for d in range(R) if homes[d] == me for sl, e in enumerate(plan.replicas[d])]

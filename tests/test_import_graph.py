@@ -30,7 +30,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("assembly: parallelize, preflight", ("k3train.parallelize", "k3train.preflight")),
     ("the training loop", ("k3train.trainer",)),
     ("planning", ("k3train.planning",)),
-    ("entry points", ("k3train.train", "k3train.cli", "k3train.hf.commands")),
+    ("entry points", ("k3train.train", "k3train.cli", "k3train.hf_commands")),
     ("user commands", ("tools",)),
     ("benchmarks", ("benchmarks",)),
 )
@@ -186,5 +186,5 @@ def test_the_checker_sees_circles_and_upward_imports():
     """The checks themselves can fail: a two-module circle and an upward edge are found."""
     assert _circles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
     assert _circles({"a": {"b"}, "b": {"c"}}) == []
-    assert layer_of("k3train.hf.commands") > layer_of("k3train.hf.load") > layer_of("k3train.model.moe")
+    assert layer_of("k3train.hf_commands") > layer_of("k3train.hf.load") > layer_of("k3train.model.moe")
     assert layer_of("k3train.runtime.signals") < layer_of("k3train.config")

@@ -18,7 +18,8 @@ In this order:
            max rel / rel rms), fwd+bwd speed ratio at T = 4K and 16K
   tests    ``pytest -m cuda tests/gpu`` (the CUDA-marked tests; fla's entry-point training run among them)
 
-Runs so far (the README's "On a GPU" holds the numbers): 2026-12-04, H200, torch 2.11 + triton 3.6 + fla 0.6.0.
+Runs so far (docs/gpu.md; the numbers in benchmarks/results/gpu_check.md): 2026-12-04, H200, torch 2.11 +
+triton 3.6 + fla 0.6.0.
 
 The JSON report (``--out``, also printed) holds the device, versions, every section's result or error and time,
 and the list of what one GPU cannot check. On a machine without CUDA it prints one line and exits 0.

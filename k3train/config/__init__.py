@@ -1,6 +1,7 @@
 """Typed run configuration: the sections, each beside its check (model.py, parallel.py, train.py, optim.py,
-data.py, logs.py, checkpoint.py, vision.py, draft.py, kernels.py), together in :class:`Config` (schema.py:
-``Config.validate`` runs the checks) <- YAML <- ``--section.key=value`` overrides (load.py).
+data.py, logs.py, checkpoint.py, vision.py, draft.py, kernels.py; a check reports through report.py's ``Need``),
+together in :class:`Config` (schema.py: ``Config.validate`` runs the checks) <- YAML <- ``--section.key=value``
+overrides (load.py).
 ``from k3train.config import Config, load_config, ...`` is the import path."""
 from k3train.config.checkpoint import CheckpointConfig
 from k3train.config.data import SPLIT_NAMES, DataConfig, parse_split

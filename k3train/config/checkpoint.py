@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from k3train.config.schema import Config
+from k3train.config.report import Need
 
 
 @dataclass
@@ -35,10 +33,9 @@ class CheckpointConfig:
     load_hf: str = ""
 
 
-def check_checkpoint(cfg: Config) -> None:
+def check_checkpoint(c: CheckpointConfig, need: Need) -> None:
     """The preemption deadline; and checkpoint safety: overwrite only names what a start that is not a plain
     continuation may move aside."""
-    c, need = cfg.checkpoint, cfg.need
     need(math.isfinite(c.preempt_timeout_s) and c.preempt_timeout_s > 0,
          "checkpoint.preempt_timeout_s", f"must be > 0 seconds, got {c.preempt_timeout_s}")
     need(not (c.overwrite and c.resume == "auto"), "checkpoint.overwrite",

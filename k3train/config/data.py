@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from k3train.config.model import ModelConfig
+from k3train.config.report import Need, Origin
+from k3train.config.vision import VisionConfig
 from k3train.runtime.bad_input import ConfigError
-
-if TYPE_CHECKING:
-    from k3train.config.schema import Config
 
 SPLIT_NAMES = ("train", "valid", "test")
 
@@ -49,15 +48,14 @@ class DataConfig:
     max_media_pixels: int = 3584 * 3584  # multimodal: largest image / frame (height * width px) a run accepts
 
 
-def check_data(cfg: Config) -> None:
+def check_data(d: DataConfig, m: ModelConfig, v: VisionConfig, need: Need, origin: Origin) -> None:
     """The special tokens' names (their ids are compared with the tokenizer wherever a run reads it,
     k3train/preflight.py: check_token_ids; a meta-device tool reads none), the split, the format."""
-    d, need = cfg.data, cfg.need
     names = [d.bos_token, d.eos_token, d.pad_token]
     need(all(names) and len(set(names)) == 3, "data.bos_token",
          f"data.bos_token / eos_token / pad_token must be three different non-empty tokens, got {names}",
          "data.bos_token", "data.eos_token", "data.pad_token")
-    parse_split(d.split, f" ({cfg.origin('data.split')})")
+    parse_split(d.split, f" ({origin('data.split')})")
     need(d.format in ("text", "multimodal", "chat"), "data.format",
          f"must be 'text', 'multimodal' or 'chat', got {d.format!r}")
     need(d.chat_overlong in ("drop", "truncate"), "data.chat_overlong",
@@ -65,19 +63,18 @@ def check_data(cfg: Config) -> None:
     need(d.max_media_pixels >= 28 * 28, "data.max_media_pixels",
          f"must be >= {28 * 28} (one 28 x 28 px unit), got {d.max_media_pixels}")
     if d.format == "multimodal":
-        check_multimodal_against_model(cfg)
+        check_multimodal_against_model(d, m, v, need)
 
 
-def check_multimodal_against_model(cfg: Config) -> None:
+def check_multimodal_against_model(d: DataConfig, m: ModelConfig, v: VisionConfig, need: Need) -> None:
     """Cross-section: multimodal data (k3train/data/multimodal) needs the placeholder token and its id, and the
     vision encoder; a text-only model would train on bare placeholder tokens and never see the media (the
     placeholder id's range is checked with the vision section; the tokenizer's token in preflight.check_data)."""
-    d, m, need = cfg.data, cfg.model, cfg.need
     need(bool(d.media_placeholder_token) and m.media_placeholder_token_id >= 0, "data.format",
          "multimodal data needs data.media_placeholder_token (e.g. '<|media_pad|>' of "
          "k3train/data/assets/tokenizer-vl.json) and its id in model.media_placeholder_token_id",
          "data.format", "data.media_placeholder_token", "model.media_placeholder_token_id")
-    need(cfg.vision.enabled, "data.format",
+    need(v.enabled, "data.format",
          "multimodal data needs vision.enabled=true (the MoonViT-V2 encoder that turns the media into the "
          "placeholders' embeddings); with vision.enabled=false the model never sees the media",
          "data.format", "vision.enabled")

@@ -3,27 +3,26 @@ needs an MTP layer, AttnRes features, no CP and a frozen target (``checkpoint.ta
 preflight: k3train/draft/target.py); a plain LM run names no target."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from k3train.config.checkpoint import CheckpointConfig
+from k3train.config.model import ModelConfig
+from k3train.config.parallel import ParallelConfig
+from k3train.config.report import Need
+from k3train.config.train import TrainConfig
 
-if TYPE_CHECKING:
-    from k3train.config.schema import Config
 
-
-def check_objective(cfg: Config) -> None:
-    t, need = cfg.train, cfg.need
+def check_objective(t: TrainConfig, m: ModelConfig, p: ParallelConfig, c: CheckpointConfig, need: Need) -> None:
     need(t.objective in ("lm", "eagle3"), "train.objective", f"must be 'lm' or 'eagle3', got {t.objective!r}")
     if t.objective == "eagle3":
-        check_eagle3(cfg)
+        check_eagle3(t, m, p, c, need)
     else:
-        need(not cfg.checkpoint.target, "checkpoint.target",
+        need(not c.target, "checkpoint.target",
              f"is read only by train.objective=eagle3 (the draft's frozen target), but train.objective="
              f"{t.objective}", "checkpoint.target", "train.objective")
 
 
-def check_eagle3(cfg: Config) -> None:
+def check_eagle3(t: TrainConfig, m: ModelConfig, p: ParallelConfig, c: CheckpointConfig, need: Need) -> None:
     """``train.objective=eagle3``: what the draft needs of the config (the target checkpoint is preflight's)."""
-    m, t, p, need = cfg.model, cfg.train, cfg.parallel, cfg.need
-    need(bool(cfg.checkpoint.target), "checkpoint.target",
+    need(bool(c.target), "checkpoint.target",
          "train.objective=eagle3 needs the frozen target: checkpoint.target=PATH, a complete checkpoint (step "
          "directory) of a trained k3train run of this model", "train.objective", "checkpoint.target")
     need(t.draft_loss in ("lk", "kl"), "train.draft_loss", f"must be 'lk' or 'kl', got {t.draft_loss!r}")

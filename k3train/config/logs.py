@@ -2,10 +2,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from k3train.config.schema import Config
+from k3train.config.report import Need
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 WANDB_MODES = ("online", "offline", "disabled")
@@ -21,8 +19,7 @@ class LoggingConfig:
     level: str = "INFO"
 
 
-def check_logging(cfg: Config) -> None:
-    lg, need = cfg.logging, cfg.need
+def check_logging(lg: LoggingConfig, need: Need) -> None:
     need(lg.log_interval >= 1, "logging.log_interval", f"must be >= 1 (print every N steps), got {lg.log_interval}")
     need(lg.level in LOG_LEVELS, "logging.level", f"must be one of {', '.join(LOG_LEVELS)}, got {lg.level!r}")
     need(lg.wandb_mode in WANDB_MODES, "logging.wandb_mode",

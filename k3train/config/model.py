@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from k3train.config.schema import Config
+from k3train.config.report import Need
 
 HIDDEN_ACTS = ("situ", "silu")  # model.hidden_act: the gate activation of every FFN (k3train/model/ffn.py: glu)
 
@@ -133,19 +131,18 @@ class ModelConfig:
         return self.num_experts > 0 and self.first_k_dense_replace < self.num_hidden_layers
 
 
-def check_model(cfg: Config) -> None:
+def check_model(m: ModelConfig, need: Need) -> None:
     """The model section: names and ranges, the MoE routing, the variants K3 does not use, the layer plan (derived
     here), and every size a layer that exists will use."""
-    check_model_settings(cfg)
-    if cfg.model.has_moe:
-        check_routing(cfg)
-    check_model_variants(cfg)
-    derive_layer_plan(cfg)
-    check_model_sizes(cfg)
+    check_model_settings(m, need)
+    if m.has_moe:
+        check_routing(m, need)
+    check_model_variants(m, need)
+    derive_layer_plan(m)
+    check_model_sizes(m, need)
 
 
-def check_model_settings(cfg: Config) -> None:
-    m, need = cfg.model, cfg.need
+def check_model_settings(m: ModelConfig, need: Need) -> None:
     need(m.num_hidden_layers >= 1, "model.num_hidden_layers", "must be >= 1")
     need(m.hidden_size > 0, "model.hidden_size", "must be > 0")
     need(m.full_attn_interval >= 1, "model.full_attn_interval", "must be >= 1")
@@ -165,9 +162,8 @@ def check_model_settings(cfg: Config) -> None:
          "must be between 0 and num_hidden_layers")
 
 
-def check_routing(cfg: Config) -> None:
+def check_routing(m: ModelConfig, need: Need) -> None:
     """The routed experts of a model with MoE layers: top-k, the latent projection, grouped top-k."""
-    m, need = cfg.model, cfg.need
     need(1 <= m.num_experts_per_token < m.num_experts, "model.num_experts_per_token",
          f"must be in [1, num_experts) (Quantile Balancing routes top-(k+1)), got {m.num_experts_per_token}"
          f" with num_experts={m.num_experts}")
@@ -192,10 +188,9 @@ def check_routing(cfg: Config) -> None:
          "model.num_experts_per_token")
 
 
-def check_model_variants(cfg: Config) -> None:
+def check_model_variants(m: ModelConfig, need: Need) -> None:
     """Variants the published configs name but K3 does not use, rejected before any work starts; the chunking
     knobs; the residual stream (Block AttnRes or the standard PreNorm ablation)."""
-    m, need = cfg.model, cfg.need
     need(m.mla_use_nope, "model.mla_use_nope", "false (rotary MLA) is not implemented; K3 uses NoPE")
     need(isinstance(m.mla_block_size, int) and m.mla_block_size > 0, "model.mla_block_size",
          f"must be a positive integer (the blockwise MLA attention's block), got {m.mla_block_size!r}")
@@ -212,10 +207,9 @@ def check_model_variants(cfg: Config) -> None:
     need(m.vocab_size > max(0, 1), "model.vocab_size", "must be > 1")
 
 
-def derive_layer_plan(cfg: Config) -> None:
+def derive_layer_plan(m: ModelConfig) -> None:
     """The derived layer plan: 1-based Gated MLA layers (every ``full_attn_interval``-th and the last), the KDA
     layers, and the number of AttnRes blocks."""
-    m = cfg.model
     m.full_attn_layers = [i for i in range(1, m.num_hidden_layers + 1)
                           if i % m.full_attn_interval == 0 or i == m.num_hidden_layers]
     full_set = set(m.full_attn_layers)
@@ -223,11 +217,10 @@ def derive_layer_plan(cfg: Config) -> None:
     m.num_attn_res_blocks = math.ceil(m.num_hidden_layers / m.attn_res_block_size)
 
 
-def check_model_sizes(cfg: Config) -> None:
+def check_model_sizes(m: ModelConfig, need: Need) -> None:
     """Every size a layer that exists will use must be positive (a 0 builds empty tensors and fails deep in a
     forward, or divides by zero); sizes of layer kinds the plan has none of may be 0. HF's null
     ``q_lora_rank`` (no query compression) becomes 0, the same model."""
-    m, need = cfg.model, cfg.need
     n_kda = len(m.kda_layers)
     has_moe = m.has_moe
     sizes = ["num_attention_heads", "qk_nope_head_dim", "v_head_dim"]  # the last layer is always Gated MLA

@@ -2,10 +2,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from k3train.config.schema import Config
+from k3train.config.report import Need
 
 
 @dataclass
@@ -30,8 +28,7 @@ class OptimConfig:
     adamw_param_patterns: list[str] = field(default_factory=lambda: ["embed", "lm_head"])
 
 
-def check_optim(cfg: Config) -> None:
-    o, need = cfg.optim, cfg.need
+def check_optim(o: OptimConfig, need: Need) -> None:
     need(o.name in ("muon", "adamw"), "optim.name", f"must be 'muon' or 'adamw', got {o.name!r}")
     need(o.schedule in ("cosine", "wsd", "constant"), "optim.schedule", "must be 'cosine', 'wsd' or 'constant'")
     need(o.lr > 0, "optim.lr", "must be > 0")

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from k3train.config.schema import Config
+from k3train.config.model import ModelConfig
+from k3train.config.report import Need
 
 RECOMPUTE_GRANULARITIES = ("chunk", "layer", "sublayer")  # parallel.recompute_granularity
 
@@ -52,9 +51,8 @@ class ParallelConfig:
     collective_timeout_s: float = 0.0
 
 
-def check_parallel(cfg: Config, world_size: int | None) -> None:
+def check_parallel(p: ParallelConfig, m: ModelConfig, world_size: int | None, need: Need) -> None:
     """The parallel section's own settings, then the layout against the model and the world size."""
-    p, need = cfg.parallel, cfg.need
     for k in ("pp", "vpp", "cp", "ep"):
         need(getattr(p, k) >= 1, f"parallel.{k}", f"must be >= 1, got {getattr(p, k)}")
     need(p.dp == -1 or p.dp >= 1, "parallel.dp", f"must be >= 1 or -1 (auto), got {p.dp}")
@@ -67,14 +65,13 @@ def check_parallel(cfg: Config, world_size: int | None) -> None:
     need(p.recompute_granularity in RECOMPUTE_GRANULARITIES, "parallel.recompute_granularity",
          f"must be one of {', '.join(RECOMPUTE_GRANULARITIES)}, got {p.recompute_granularity!r}")
     need(p.backend in ("auto", "nccl", "gloo"), "parallel.backend", "must be 'auto', 'nccl' or 'gloo'")
-    check_stages_against_model(cfg)
-    check_layout_against_world(cfg, world_size)
+    check_stages_against_model(p, m, need)
+    check_layout_against_world(p, m, world_size, need)
 
 
-def check_stages_against_model(cfg: Config) -> None:
+def check_stages_against_model(p: ParallelConfig, m: ModelConfig, need: Need) -> None:
     """Cross-section: the model's layers fill the ``pp * vpp`` virtual stages (``parallel.pp_layers`` when
     given: one entry per stage, summing to ``model.num_hidden_layers``)."""
-    p, m, need = cfg.parallel, cfg.model, cfg.need
     n_chunks = p.pp * p.vpp
     if p.pp_layers:
         need(len(p.pp_layers) == n_chunks, "parallel.pp_layers",
@@ -87,10 +84,9 @@ def check_stages_against_model(cfg: Config) -> None:
              f"{m.num_hidden_layers} layers cannot fill pp*vpp = {n_chunks} virtual stages")
 
 
-def check_layout_against_world(cfg: Config, world_size: int | None) -> None:
+def check_layout_against_world(p: ParallelConfig, m: ModelConfig, world_size: int | None, need: Need) -> None:
     """Cross-section: ``pp * dp * cp`` is the world size when one is given (``dp = -1`` resolved from it here);
     ``ep`` divides ``dp * cp`` and ``model.num_experts``."""
-    p, m, need = cfg.parallel, cfg.model, cfg.need
     if world_size is not None:
         denom = p.pp * p.cp
         need(world_size % denom == 0, "parallel",
@@ -107,8 +103,7 @@ def check_layout_against_world(cfg: Config, world_size: int | None) -> None:
              f"num_experts={m.num_experts} not divisible by ep={p.ep}")
 
 
-def check_collective_timeout(cfg: Config) -> None:
+def check_collective_timeout(p: ParallelConfig, need: Need) -> None:
     """Fault tolerance: how long a collective may wait for its peers."""
-    p = cfg.parallel
-    cfg.need(math.isfinite(p.collective_timeout_s) and p.collective_timeout_s >= 0, "parallel.collective_timeout_s",
-             f"must be >= 0 seconds (0 = backend default), got {p.collective_timeout_s}")
+    need(math.isfinite(p.collective_timeout_s) and p.collective_timeout_s >= 0, "parallel.collective_timeout_s",
+         f"must be >= 0 seconds (0 = backend default), got {p.collective_timeout_s}")

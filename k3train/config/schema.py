@@ -3,10 +3,11 @@
 
 One YAML file describes one run (k3train/config/load.py reads it and the ``--section.key=value`` overrides).
 Every section is a dataclass in its own module, beside its check (model.py, parallel.py, train.py, optim.py,
-data.py, logs.py, checkpoint.py, vision.py; draft.py checks ``train.objective``); unknown keys, wrong types and
-inconsistent values raise :class:`ConfigError` naming the key (and the file). Derived values are computed once,
-in :meth:`Config.validate`, and stored on the objects (fields marked ``derived``) so the resolved config written
-to the run directory is complete.
+data.py, logs.py, checkpoint.py, vision.py; draft.py checks ``train.objective``); a check takes its section, the
+other sections it reads and the reporter (:meth:`Config.need`, :meth:`Config.origin`; typed in report.py), never
+the whole :class:`Config`. Unknown keys, wrong types and inconsistent values raise :class:`ConfigError` naming the
+key (and the file). Derived values are computed once, in :meth:`Config.validate`, and stored on the objects
+(fields marked ``derived``) so the resolved config written to the run directory is complete.
 """
 from __future__ import annotations
 
@@ -77,17 +78,19 @@ class Config:
         The checks run in this order and the first failing one raises, so which error a config with several
         problems reports is fixed: sizes and counts, model, parallel layout, train, objective, optim, data,
         logging, collective timeout, checkpoint, vision."""
+        need, origin = self.need, self.origin
+        m, p, t, d, v = self.model, self.parallel, self.train, self.data, self.vision
         check_counts(self)
-        check_model(self)
-        check_parallel(self, world_size)
-        check_train(self)
-        check_objective(self)
-        check_optim(self)
-        check_data(self)
-        check_logging(self)
-        check_collective_timeout(self)
-        check_checkpoint(self)
-        check_vision(self)
+        check_model(m, need)
+        check_parallel(p, m, world_size, need)
+        check_train(t, m, p, d, need, origin)
+        check_objective(t, m, p, self.checkpoint, need)
+        check_optim(self.optim, need)
+        check_data(d, m, v, need, origin)
+        check_logging(self.logging, need)
+        check_collective_timeout(p, need)
+        check_checkpoint(self.checkpoint, need)
+        check_vision(v, m, need)
         return self
 
     def validate_layout(self, world_size: int) -> Config:

@@ -4,13 +4,12 @@ split, QAT blocks against the experts' widths."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from k3train.config.data import parse_split
+from k3train.config.data import DataConfig, parse_split
 from k3train.config.kernels import check_kernel_names
-
-if TYPE_CHECKING:
-    from k3train.config.schema import Config
+from k3train.config.model import ModelConfig
+from k3train.config.parallel import ParallelConfig
+from k3train.config.report import Need, Origin
 
 
 @dataclass
@@ -55,24 +54,24 @@ class TrainConfig:
     grad_accum_steps: int = field(default=0, metadata={"derived": True})
 
 
-def check_train(cfg: Config) -> None:
+def check_train(t: TrainConfig, m: ModelConfig, p: ParallelConfig, d: DataConfig, need: Need,
+                origin: Origin) -> None:
     """The train section, with its cross-section checks where its keys meet other sections."""
-    t, need = cfg.train, cfg.need
     need(t.steps >= 1, "train.steps", f"must be >= 1, got {t.steps}")
     need(t.stop_at_step >= 0, "train.stop_at_step", f"must be >= 0 (0 = run to train.steps), got {t.stop_at_step}")
     need(t.global_batch_size >= 1, "train.global_batch_size", f"must be >= 1, got {t.global_batch_size}")
     need(t.seq_len >= 1, "train.seq_len", "must be >= 1")
-    check_seq_len_against_model_and_cp(cfg)
+    check_seq_len_against_model_and_cp(t, m, p, need)
     need(t.micro_batch_size >= 1, "train.micro_batch_size", "must be >= 1")
     need(t.dtype in ("float32", "bfloat16"), "train.dtype", "must be 'float32' or 'bfloat16'")
     need(t.device in ("auto", "cpu", "cuda"), "train.device", "must be 'auto', 'cpu' or 'cuda'")
-    check_batch_against_layout(cfg)
+    check_batch_against_layout(t, p, need)
     need(t.grad_clip >= 0, "train.grad_clip", "must be >= 0 (0 disables clipping)")
     # non-finite steps (k3train/runtime/nonfinite.py) and validation loss (k3train/evaluate.py)
     need(t.max_skipped_steps >= 1, "train.max_skipped_steps",
          f"must be >= 1 (consecutive non-finite steps before the run stops), got {t.max_skipped_steps}")
     if t.eval_interval > 0:
-        check_eval_against_split(cfg)
+        check_eval_against_split(t, d, need, origin)
     # CPU threads per rank (k3train/runtime/process_groups.py)
     need(t.num_threads >= 0, "train.num_threads", f"must be >= 0 (0 = automatic), got {t.num_threads}")
     # kernels per op: the backend names here; one forced where it cannot run is a machine check
@@ -80,22 +79,20 @@ def check_train(cfg: Config) -> None:
     bad_kernel = check_kernel_names(t)
     if bad_kernel is not None:
         need(False, *bad_kernel)
-    check_qat(cfg)
+    check_qat(t, m, need)
 
 
-def check_seq_len_against_model_and_cp(cfg: Config) -> None:
+def check_seq_len_against_model_and_cp(t: TrainConfig, m: ModelConfig, p: ParallelConfig, need: Need) -> None:
     """Cross-section: a sequence fits the model's positions and splits evenly over the CP ranks."""
-    t, m, p, need = cfg.train, cfg.model, cfg.parallel, cfg.need
     need(t.seq_len <= m.max_position_embeddings, "train.seq_len",
          f"seq_len={t.seq_len} exceeds model.max_position_embeddings={m.max_position_embeddings}")
     need(t.seq_len % p.cp == 0, "train.seq_len", f"seq_len={t.seq_len} not divisible by cp={p.cp}")
 
 
-def check_batch_against_layout(cfg: Config) -> None:
+def check_batch_against_layout(t: TrainConfig, p: ParallelConfig, need: Need) -> None:
     """Cross-section, once ``parallel.dp`` is known: the global batch is whole micro-batches on every
     data-parallel rank (``train.grad_accum_steps`` derived here), a multiple of pp of them under the interleaved
     pipeline."""
-    t, p, need = cfg.train, cfg.parallel, cfg.need
     if p.dp == -1:
         return
     per_step = t.micro_batch_size * p.dp
@@ -109,21 +106,19 @@ def check_batch_against_layout(cfg: Config) -> None:
              f" of pp={p.pp}")
 
 
-def check_eval_against_split(cfg: Config) -> None:
+def check_eval_against_split(t: TrainConfig, d: DataConfig, need: Need, origin: Origin) -> None:
     """Cross-section: validation every ``train.eval_interval`` steps reads batches of a valid split that has
     weight in ``data.split``."""
-    t, d, need = cfg.train, cfg.data, cfg.need
     need(t.eval_iters >= 1, "train.eval_iters", f"must be >= 1 when train.eval_interval > 0, got {t.eval_iters}")
-    need(parse_split(d.split, f" ({cfg.origin('data.split')})")[1] > 0, "train.eval_interval",
+    need(parse_split(d.split, f" ({origin('data.split')})")[1] > 0, "train.eval_interval",
          f"validation every {t.eval_interval} steps needs a valid split, but data.split={d.split!r} "
          "gives it weight 0 (e.g. data.split='98,2,0', or train.eval_interval=0)",
          "train.eval_interval", "data.split")
 
 
-def check_qat(cfg: Config) -> None:
+def check_qat(t: TrainConfig, m: ModelConfig, need: Need) -> None:
     """QAT of the routed experts (k3train/quant/qat.py): the formats, and (cross-section) MX blocks of 32 along
     both of the experts' reduction dims (l and f)."""
-    t, m, need = cfg.train, cfg.model, cfg.need
     need(t.qat in ("none", "mxfp4"), "train.qat", f"must be 'none' or 'mxfp4', got {t.qat!r}")
     need(t.qat_activations in ("none", "mxfp8"), "train.qat_activations",
          f"must be 'none' or 'mxfp8', got {t.qat_activations!r}")

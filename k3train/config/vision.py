@@ -3,10 +3,9 @@ when the encoder is enabled."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from k3train.config.schema import Config
+from k3train.config.model import ModelConfig
+from k3train.config.report import Need
 
 
 @dataclass
@@ -44,8 +43,7 @@ class VisionConfig:
     cp_split_min_patches: int = 4096
 
 
-def check_vision(cfg: Config) -> None:
-    v, need = cfg.vision, cfg.need
+def check_vision(v: VisionConfig, m: ModelConfig, need: Need) -> None:
     if not v.enabled:
         return
     for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "head_dim", "intermediate_size",
@@ -66,13 +64,12 @@ def check_vision(cfg: Config) -> None:
     need(isinstance(v.cp_split_min_patches, int) and v.cp_split_min_patches >= 0,
          "vision.cp_split_min_patches", f"must be an integer >= 0 (0: never split), got "
          f"{v.cp_split_min_patches!r}")
-    check_placeholder_id(cfg)
+    check_placeholder_id(m, need)
 
 
-def check_placeholder_id(cfg: Config) -> None:
+def check_placeholder_id(m: ModelConfig, need: Need) -> None:
     """Cross-section: the encoder's outputs replace the embeddings of ``model.media_placeholder_token_id``,
     which must be a token of the vocabulary."""
-    m = cfg.model
-    cfg.need(0 <= m.media_placeholder_token_id < m.vocab_size, "model.media_placeholder_token_id",
-             f"vision.enabled needs a placeholder id in [0, vocab_size={m.vocab_size}), got "
-             f"{m.media_placeholder_token_id}", "model.media_placeholder_token_id", "vision.enabled")
+    need(0 <= m.media_placeholder_token_id < m.vocab_size, "model.media_placeholder_token_id",
+         f"vision.enabled needs a placeholder id in [0, vocab_size={m.vocab_size}), got "
+         f"{m.media_placeholder_token_id}", "model.media_placeholder_token_id", "vision.enabled")

@@ -116,29 +116,39 @@ def first_k_dense_of(tc: dict[str, Any], L: int, where: str) -> int:
     return k
 
 
-def model_from_text_config(tc: dict[str, Any], fmt: str, where: str) -> dict[str, Any]:
-    """k3train ``model`` section values from a HF text config (a dict). Raises ConfigError naming the field."""
-    def need(cond: bool, field: str, msg: str) -> None:
-        if not cond:
-            raise ConfigError(f"{where}: {field}: {msg}")
+def _require(cond: bool, where: str, field: str, msg: str) -> None:
+    """Raise ConfigError naming the HF config field unless ``cond``."""
+    if not cond:
+        raise ConfigError(f"{where}: {field}: {msg}")
 
-    L = int(tc["num_hidden_layers"])
-    lac = linear_attn_config_of(tc, L, where)
-    need(isinstance(lac, dict) and lac.get("kda_layers") is not None and lac.get("full_attn_layers") is not None,
-         "linear_attn_config", "needs kda_layers and full_attn_layers (the KDA / MLA layer plan)")
+
+def _check_supported(tc: dict[str, Any], lac: Any, where: str) -> tuple[int, str]:
+    """The text config's variants k3train maps (a layer plan, one KV head per query head, NoPE, untied
+    embeddings, sigmoid routing, SwiGLU / SiTU-GLU), checked before anything is read; returns the number of
+    attention heads and the hidden activation."""
+    plan = isinstance(lac, dict) and lac.get("kda_layers") is not None and lac.get("full_attn_layers") is not None
+    _require(plan, where, "linear_attn_config", "needs kda_layers and full_attn_layers (the KDA / MLA layer plan)")
     H = int(tc["num_attention_heads"])
-    need(int(_get(tc, "num_key_value_heads", default=H)) == H, "num_key_value_heads",
-         "MLA has one key/value head per query head (num_key_value_heads = num_attention_heads)")
-    need(bool(tc.get("mla_use_nope", True)), "mla_use_nope", "false (rotary MLA) is not implemented")
-    need(not tc.get("tie_word_embeddings", False), "tie_word_embeddings", "true is not supported")
-    need(int(tc.get("moe_layer_freq", 1)) == 1, "moe_layer_freq", "only 1 (every layer after the dense ones)")
+    _require(int(_get(tc, "num_key_value_heads", default=H)) == H, where, "num_key_value_heads",
+             "MLA has one key/value head per query head (num_key_value_heads = num_attention_heads)")
+    _require(bool(tc.get("mla_use_nope", True)), where, "mla_use_nope", "false (rotary MLA) is not implemented")
+    _require(not tc.get("tie_word_embeddings", False), where, "tie_word_embeddings", "true is not supported")
+    _require(int(tc.get("moe_layer_freq", 1)) == 1, where, "moe_layer_freq",
+             "only 1 (every layer after the dense ones)")
     act = tc.get("moe_router_activation_func", "sigmoid")
-    need(act == "sigmoid", "moe_router_activation_func", f"only sigmoid routing, got {act!r}")
+    _require(act == "sigmoid", where, "moe_router_activation_func", f"only sigmoid routing, got {act!r}")
     hidden_act = tc.get("hidden_act", "silu")
-    need(hidden_act in ("silu", "situ"), "hidden_act", f"only silu (SwiGLU) and situ (SiTU-GLU), got {hidden_act!r}")
+    _require(hidden_act in ("silu", "situ"), where, "hidden_act",
+             f"only silu (SwiGLU) and situ (SiTU-GLU), got {hidden_act!r}")
+    return H, hidden_act
+
+
+def _mapped_fields(tc: dict[str, Any], lac: dict[str, Any], L: int, H: int, hidden_act: str,
+                   where: str) -> dict[str, Any]:
+    """The ``model`` fields read one to one (under their published names) from the text config."""
     num_experts = int(_get(tc, "num_experts", "num_local_experts", "n_routed_experts", default=0))
     grouped = bool(tc.get("use_grouped_topk", True))
-    m: dict[str, Any] = {
+    return {
         "vocab_size": int(tc["vocab_size"]), "hidden_size": int(tc["hidden_size"]), "num_hidden_layers": L,
         "rms_norm_eps": float(tc.get("rms_norm_eps", 1e-5)), "tie_word_embeddings": False,
         "init_std": float(tc.get("initializer_range", 0.02)),
@@ -167,32 +177,40 @@ def model_from_text_config(tc: dict[str, Any], fmt: str, where: str) -> dict[str
         "num_nextn_predict_layers": int(tc.get("num_nextn_predict_layers", 0)),
         "max_position_embeddings": int(_get(tc, "model_max_length", "max_position_embeddings", default=1048576)),
     }
+
+
+def _set_shared_experts(tc: dict[str, Any], m: dict[str, Any], where: str) -> None:
+    """The published shared-expert MLP is ONE SwiGLU/SiTU-GLU of width moe_intermediate_size * num_shared_experts:
+    k3train holds it as num_shared_experts FFNs of width moe_intermediate_size (k3train/hf/names.py splits it), or
+    -- when k3train wrote the checkpoint and recorded its own split (shared_expert_intermediate_size, a field
+    transformers keeps and ignores) -- as that many FFNs of that width: the same tensors, the run's own shapes."""
     n_shared = int(_get(tc, "num_shared_experts", "n_shared_experts", default=0))
-    # the published shared-expert MLP is ONE SwiGLU/SiTU-GLU of width moe_intermediate_size * num_shared_experts:
-    # k3train holds it as num_shared_experts FFNs of width moe_intermediate_size (k3train/hf/names.py splits it), or
-    # -- when k3train wrote the checkpoint and recorded its own split (shared_expert_intermediate_size, a field
-    # transformers keeps and ignores) -- as that many FFNs of that width: the same tensors, the run's own shapes
     m["num_shared_experts"] = n_shared
     m["shared_expert_intermediate_size"] = m["moe_intermediate_size"]
     width, own = n_shared * m["moe_intermediate_size"], tc.get("shared_expert_intermediate_size")
     if own is not None and n_shared:
-        need(isinstance(own, int) and own > 0 and width % own == 0, "shared_expert_intermediate_size",
-             f"{own!r} does not divide the published shared-expert width {width} (moe_intermediate_size * "
-             "num_shared_experts)")
+        _require(isinstance(own, int) and own > 0 and width % own == 0, where, "shared_expert_intermediate_size",
+                 f"{own!r} does not divide the published shared-expert width {width} (moe_intermediate_size * "
+                 "num_shared_experts)")
         m["num_shared_experts"], m["shared_expert_intermediate_size"] = width // own, own
+
+
+def _set_variants(tc: dict[str, Any], lac: dict[str, Any], m: dict[str, Any], fmt: str, where: str) -> None:
+    """The fields that tell the formats apart: the KDA decay form, SiTU-GLU's betas, the residual stream (Block
+    AttnRes for ``kimi_k3``, none for ``kimi_linear``); and the special token ids."""
     if "gate_lower_bound" in lac and lac["gate_lower_bound"] is not None:
         m["kda_decay_form"], m["gate_lower_bound"] = "lower_bounded", float(lac["gate_lower_bound"])
     else:
         m["kda_decay_form"] = "softplus"
-    if hidden_act == "situ":
+    if m["hidden_act"] == "situ":
         m["activation_situ_beta"] = float(tc.get("activation_situ_beta") or 4.0)
         m["activation_situ_linear_beta"] = float(tc.get("activation_situ_linear_beta") or 25.0)
     if tc.get("attn_res_block_size") is not None:
         m["residual"], m["attn_res_block_size"] = "attnres", int(tc["attn_res_block_size"])
     else:
         m["residual"] = "standard"
-    need((m["residual"] == "attnres") == (fmt == "kimi_k3"), "attn_res_block_size",
-         f"{fmt} checkpoints {'need' if fmt == 'kimi_k3' else 'have no'} Block AttnRes in k3train's mapping")
+    _require((m["residual"] == "attnres") == (fmt == "kimi_k3"), where, "attn_res_block_size",
+             f"{fmt} checkpoints {'need' if fmt == 'kimi_k3' else 'have no'} Block AttnRes in k3train's mapping")
     for key, name in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                       ("pad_token_id", "pad_token_id")):
         v = tc.get(name)
@@ -200,8 +218,18 @@ def model_from_text_config(tc: dict[str, Any], fmt: str, where: str) -> dict[str
             v = v[0] if v else None
         if v is not None:
             m[key] = int(v)
+
+
+def model_from_text_config(tc: dict[str, Any], fmt: str, where: str) -> dict[str, Any]:
+    """k3train ``model`` section values from a HF text config (a dict). Raises ConfigError naming the field."""
+    L = int(tc["num_hidden_layers"])
+    lac = linear_attn_config_of(tc, L, where)
+    H, hidden_act = _check_supported(tc, lac, where)
+    m = _mapped_fields(tc, lac, L, H, hidden_act, where)
+    _set_shared_experts(tc, m, where)
+    _set_variants(tc, lac, m, fmt, where)
     if m["num_experts"] and m["first_k_dense_replace"] < L:
-        need(m["num_experts_per_token"] >= 1, "num_experts_per_token", "must be >= 1")
+        _require(m["num_experts_per_token"] >= 1, where, "num_experts_per_token", "must be >= 1")
     return m
 
 

@@ -25,6 +25,7 @@ import re
 import shutil
 import time
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -128,6 +129,133 @@ def _slot_pieces(slot: Slot, src: Source, t: torch.Tensor, offset: int, source: 
     return src.dump(t, offset)
 
 
+@dataclass(frozen=True)
+class _Share:
+    """What this rank writes, and in which form: the model's slots by k3train name, the parameters another rank
+    writes, the ranks holding a copy of a dense tensor / of an expert shard and this rank's index among them, the
+    imported checkpoint (None: a fresh export), the expert format and the float dtype."""
+
+    slots: dict[str, Slot]
+    skip_ids: set[int]
+    dense: tuple[int, int]  # (holders, my index): the dp * cp replicas of a stage
+    edp: tuple[int, int]  # (holders, my index): the edp replicas of an expert shard
+    source: HFCheckpointDir | None
+    experts: str
+    dtype: torch.dtype
+
+    def writes(self, slot: Slot) -> bool:
+        """Whether this rank is the one of the slot's holders that writes it."""
+        group = slot.sources[0].parts[0].key
+        return _writes(group, *self.edp) if slot.expert else _writes(group, *self.dense)
+
+    def write_source(self, slot: Slot) -> tuple[Source, Source | None]:
+        """The source (names, shapes, format) to write the slot with, and the imported checkpoint's source of it
+        (None when there is none or it does not hold the slot)."""
+        source_src = None
+        if self.source is not None:
+            try:
+                source_src = choose_source(slot, self.source.tensors, "export-hf: source checkpoint")
+            except ConfigError:
+                source_src = None
+        src = _expert_source(slot, source_src, self.experts) if slot.expert else (source_src or slot.sources[0])
+        if not src.writable:
+            src = slot.sources[0]
+        return src, source_src
+
+
+def _share(cfg: Config, dims: Any, skip: Iterable[nn.Parameter], source: HFCheckpointDir | None, experts: str,
+           dtype: torch.dtype) -> _Share:
+    dense = (dims.dp * dims.cp, dims.dpcp_rank) if dims is not None else (1, 0)
+    edp_holders = (dims.dp * dims.cp) // dims.ep if dims is not None else 1
+    edp_me = dims.edp_rank if dims is not None else 0
+    return _Share({s.fqn: s for s in model_slots(cfg)}, {id(p) for p in skip}, dense, (edp_holders, edp_me), source,
+                  experts, dtype)
+
+
+def _add_piece(writer: _Writer, partial: dict[str, list[tuple[int, int, torch.Tensor]]], part: Part, pdim: int,
+               start: int, block: torch.Tensor, share: _Share) -> None:
+    """One piece of an HF tensor, in its target dtype: written when it is the whole tensor, else kept in
+    ``partial`` until every block of the split tensor is here, then joined and written."""
+    if part.kind == "float":
+        block = block.to(_target_dtype(part, share.source, share.dtype))
+    else:
+        want = _target_dtype(part, share.source, torch.uint8)
+        block = block.view(want) if want != torch.uint8 else block
+    if tuple(block.shape) == part.shape:
+        writer.add(part.key, block)
+        return
+    got = partial.setdefault(part.key, [])
+    got.append((pdim, start, block))
+    if sum(b.shape[pdim] for _, _, b in got) == part.shape[pdim]:  # every block of a split tensor
+        got.sort(key=lambda x: x[1])
+        writer.add(part.key, torch.cat([b for _, _, b in got], dim=pdim))
+        del partial[part.key]
+
+
+def _write_module(mod: nn.Module, writer: _Writer, share: _Share) -> bool:
+    """This rank's share of one module's tensors, to ``writer``; whether an MXFP4 expert source was used."""
+    mx_used = False
+    items = sorted(mod.state_dict(keep_vars=True).items())
+    partial: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
+    for fqn, t in items:
+        slot = share.slots[fqn]
+        if id(t) in share.skip_ids:
+            continue
+        if not share.writes(slot):
+            continue
+        src, source_src = share.write_source(slot)
+        mx_used |= isinstance(src, PerExpertMXFP4)
+        offset = int(getattr(t, "_k3_shard_offset", 0)) if slot.expert else 0
+        for part, pdim, start, block in _slot_pieces(slot, src, t.detach(), offset, share.source, source_src):
+            _add_piece(writer, partial, part, pdim, start, block, share)
+    if partial:
+        raise RuntimeError(f"export-hf: tensors {sorted(partial)} were only partly held by this rank")
+    return mx_used
+
+
+def _number_shards(writer: _Writer, out_dir: Path, rank: int, world: int
+                   ) -> tuple[list[tuple[int, str, list[str], int]], dict[tuple[int, str], str]]:
+    """Every rank's shard files (one all_gather_object), numbered ``model-0000i-of-0000N`` across the ranks; this
+    rank's renamed to their final names. Returns ``[(rank, temporary name, keys, bytes)]`` and the final names."""
+    files = [(rank, name, keys, n) for name, keys, n in writer.files]
+    every = [files]
+    if world > 1:
+        every = [None] * world
+        dist.all_gather_object(every, files)
+    flat = [f for part in every for f in part]
+    total = len(flat)
+    final = {(r, name): f"model-{i + 1:05d}-of-{total:05d}.safetensors" for i, (r, name, _, _) in enumerate(flat)}
+    for name, _, _ in writer.files:
+        os.replace(out_dir / name, out_dir / final[(rank, name)])
+    if world > 1:
+        dist.barrier()
+    return flat, final
+
+
+def _write_index_and_config(cfg: Config, out_dir: Path, flat: list[tuple[int, str, list[str], int]],
+                            final: dict[tuple[int, str], str], source: HFCheckpointDir | None,
+                            source_dir: str | Path | None, mx_used: bool) -> None:
+    """Rank 0: ``config.json`` (the source's other files copied), then the index, last (its presence = export
+    complete)."""
+    weight_map = {k: final[(r, name)] for r, name, keys, _ in flat for k in keys}
+    if len(weight_map) != sum(len(keys) for _, _, keys, _ in flat):
+        raise RuntimeError("export-hf: a tensor was written by two ranks")
+    index = {"metadata": {"total_size": sum(n for *_, n in flat)},
+             "weight_map": dict(sorted(weight_map.items()))}
+    src_cj = read_config_json(source_dir, "export-hf: source checkpoint") if source is not None else None
+    quant = None
+    if mx_used:
+        quant = (src_cj or {}).get("quantization_config") or \
+            ((src_cj or {}).get("text_config") or {}).get("quantization_config") or mxfp4_quantization_config()
+    cj = config_json_from_config(cfg, src_cj, quant)
+    if source is not None:  # tokenizer, generation config, remote code: as the source has them
+        for f in sorted(Path(source_dir).iterdir()):
+            if f.is_file() and not SOURCE_FILES_SKIPPED.search(f.name):
+                shutil.copy2(f, out_dir / f.name)
+    (out_dir / "config.json").write_text(json.dumps(cj, indent=2, sort_keys=True) + "\n")
+    (out_dir / INDEX).write_text(json.dumps(index, indent=2) + "\n")  # last: its presence = export complete
+
+
 @torch.no_grad()
 def write_hf_shards(modules: Iterable[nn.Module], cfg: Config, out_dir: str | Path, *, dims: Any = None,
                     skip: Iterable[nn.Parameter] = (), experts: str = "auto", dtype: torch.dtype = torch.bfloat16,
@@ -146,82 +274,15 @@ def write_hf_shards(modules: Iterable[nn.Module], cfg: Config, out_dir: str | Pa
     source_dir = source_dir if source_dir is not None else (cfg.checkpoint.load_hf or None)
     source = HFCheckpointDir(source_dir, "export-hf: source checkpoint") \
         if source_dir and Path(source_dir).is_dir() else None
-    slots = {s.fqn: s for s in model_slots(cfg)}
-    skip_ids = {id(p) for p in skip}
-    dense_holders, dense_me = (dims.dp * dims.cp, dims.dpcp_rank) if dims is not None else (1, 0)
-    edp_holders = (dims.dp * dims.cp) // dims.ep if dims is not None else 1
-    edp_me = dims.edp_rank if dims is not None else 0
+    share = _share(cfg, dims, skip, source, experts, dtype)
     writer = _Writer(out_dir, rank, max_shard_bytes)
     mx_used = False
     for mod in modules:
-        items = sorted(mod.state_dict(keep_vars=True).items())
-        partial: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
-        for fqn, t in items:
-            slot = slots[fqn]
-            if id(t) in skip_ids:
-                continue
-            group = slot.sources[0].parts[0].key
-            if not (_writes(group, edp_holders, edp_me) if slot.expert else _writes(group, dense_holders, dense_me)):
-                continue
-            source_src = None
-            if source is not None:
-                try:
-                    source_src = choose_source(slot, source.tensors, "export-hf: source checkpoint")
-                except ConfigError:
-                    source_src = None
-            src = _expert_source(slot, source_src, experts) if slot.expert else (source_src or slot.sources[0])
-            if not src.writable:
-                src = slot.sources[0]
-            mx_used |= isinstance(src, PerExpertMXFP4)
-            offset = int(getattr(t, "_k3_shard_offset", 0)) if slot.expert else 0
-            for part, pdim, start, block in _slot_pieces(slot, src, t.detach(), offset, source, source_src):
-                if part.kind == "float":
-                    block = block.to(_target_dtype(part, source, dtype))
-                else:
-                    want = _target_dtype(part, source, torch.uint8)
-                    block = block.view(want) if want != torch.uint8 else block
-                if tuple(block.shape) == part.shape:
-                    writer.add(part.key, block)
-                    continue
-                got = partial.setdefault(part.key, [])
-                got.append((pdim, start, block))
-                if sum(b.shape[pdim] for _, _, b in got) == part.shape[pdim]:  # every block of a split tensor
-                    got.sort(key=lambda x: x[1])
-                    writer.add(part.key, torch.cat([b for _, _, b in got], dim=pdim))
-                    del partial[part.key]
-        if partial:
-            raise RuntimeError(f"export-hf: tensors {sorted(partial)} were only partly held by this rank")
+        mx_used |= _write_module(mod, writer, share)
     writer.flush()
-    files = [(rank, name, keys, n) for name, keys, n in writer.files]
-    every = [files]
-    if world > 1:
-        every = [None] * world
-        dist.all_gather_object(every, files)
-    flat = [f for part in every for f in part]
-    total = len(flat)
-    final = {(r, name): f"model-{i + 1:05d}-of-{total:05d}.safetensors" for i, (r, name, _, _) in enumerate(flat)}
-    for name, _, _ in writer.files:
-        os.replace(out_dir / name, out_dir / final[(rank, name)])
-    if world > 1:
-        dist.barrier()
+    flat, final = _number_shards(writer, out_dir, rank, world)
     if rank == 0:
-        weight_map = {k: final[(r, name)] for r, name, keys, _ in flat for k in keys}
-        if len(weight_map) != sum(len(keys) for _, _, keys, _ in flat):
-            raise RuntimeError("export-hf: a tensor was written by two ranks")
-        index = {"metadata": {"total_size": sum(n for *_, n in flat)},
-                 "weight_map": dict(sorted(weight_map.items()))}
-        src_cj = read_config_json(source_dir, "export-hf: source checkpoint") if source is not None else None
-        quant = None
-        if mx_used:
-            quant = (src_cj or {}).get("quantization_config") or \
-                ((src_cj or {}).get("text_config") or {}).get("quantization_config") or mxfp4_quantization_config()
-        cj = config_json_from_config(cfg, src_cj, quant)
-        if source is not None:  # tokenizer, generation config, remote code: as the source has them
-            for f in sorted(Path(source_dir).iterdir()):
-                if f.is_file() and not SOURCE_FILES_SKIPPED.search(f.name):
-                    shutil.copy2(f, out_dir / f.name)
-        (out_dir / "config.json").write_text(json.dumps(cj, indent=2, sort_keys=True) + "\n")
-        (out_dir / INDEX).write_text(json.dumps(index, indent=2) + "\n")  # last: its presence = export complete
+        _write_index_and_config(cfg, out_dir, flat, final, source, source_dir, mx_used)
     if world > 1:
         dist.barrier()
     stats = {"files": len(writer.files), "bytes_written": writer.bytes_written,

@@ -228,6 +228,83 @@ def _exp(x: Tensor, floor: float, *, inplace: bool = True) -> Tensor:
     return (x.clamp_min_(-floor) if inplace else x.clamp_min(-floor)).exp_()
 
 
+def _decay(g: Tensor, n: int, fl: float, cd: torch.dtype, dev: torch.device
+           ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The decay factors of ``g [..., C, K]`` in ``n`` sub-tiles: ``(gt, Gl, tot, sufl, esuf, gam)``, g tiled, its
+    sums over [tile start, i], each tile's total, sums over (j, tile end], ``exp(G_C - G)`` and ``exp(G)``."""
+    ST = SUB_TILE
+    gt = g.unflatten(-2, (n, ST))                                         # [..., C, K] -> [..., n, 16, K]
+    Gl = gt.cumsum(-2)                                                    # sum over [tile start, i]
+    tot = Gl[..., -1, :]                                                  # [..., n, K]
+    G = Gl + (tot.cumsum(-2) - tot)[..., None, :] if n > 1 else Gl       # + earlier tiles (same-sign sums)
+    sufl = torch.matmul(_const("suffix", ST, cd, dev), gt)                # sum over (j, tile end]
+    esuf = sufl + torch.matmul(_const("suffix", n, cd, dev), tot)[..., None, :] if n > 1 else sufl.clone()
+    esuf = _exp(esuf, fl).flatten(-3, -2)                                 # exp(G_C - G)
+    gam = _exp(G.flatten(-3, -2), fl, inplace=n > 1)
+    return gt, Gl, tot, sufl, esuf, gam
+
+
+def _off_diagonal_operands(k: Tensor, kt: Tensor, kbt: Tensor, qt: Tensor, Gl: Tensor, tot: Tensor, sufl: Tensor,
+                           n: int, fl: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(rowf, esufl, ehop, xs, ks)`` of :class:`_Tiles`: the operands of the blocks below the diagonal tiles
+    (``n > 1``)."""
+    cd, dev, ST, K = k.dtype, k.device, SUB_TILE, k.shape[-1]
+    lead = k.shape[:-2]
+    rowf = _exp(Gl[..., 1:, :, :], fl, inplace=False)
+    between = torch.matmul(_const("between", n, cd, dev), tot).unflatten(-2, (n, n))   # [..., s, t, K]
+    # column factor of block (s, t) = exp(sum over (j, end of t]) * exp(tiles strictly between): both <= 1
+    ehop = _exp(between[..., 1:, :-1, :], fl, inplace=False)
+    ehop.mul_(_const("revcum", n - 1, cd, dev).T[:, :, None])                          # keep t < s
+    esufl = _exp(sufl[..., :-1, :, :], fl, inplace=False)
+    xs = k.new_empty(*lead, n - 1, 2, ST, K)
+    torch.mul(kbt[..., 1:, :, :], rowf, out=xs[..., 0, :, :])
+    torch.mul(qt[..., 1:, :, :], rowf, out=xs[..., 1, :, :])
+    ks = ((kt[..., :-1, :, :] * esufl)[..., None, :, :, :] * ehop[..., :, :, None, :]).flatten(-3, -2)
+    return rowf, esufl, ehop, xs, ks
+
+
+def _diagonal_operands(k: Tensor, kt: Tensor, kbt: Tensor, qt: Tensor, Gl: Tensor, gt: Tensor, n: int, fl: float,
+                       dense: bool) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    """``(xd, kdg, er, fac)`` of :class:`_Tiles`: the operands of the diagonal tiles, midpoint-scaled (``dense``)
+    or pairwise."""
+    cd, dev, ST, K = k.dtype, k.device, SUB_TILE, k.shape[-1]
+    er = fac = None
+    if dense:
+        er = (Gl - 0.5 * (Gl[..., :1, :] + Gl[..., -1:, :])).exp_()     # midpoint of the tile's range (g <= 0)
+        xd = k.new_empty(*k.shape[:-2], n, 2, ST, K)
+        torch.mul(kbt, er, out=xd[..., 0, :, :])
+        torch.mul(qt, er, out=xd[..., 1, :, :])
+        kdg = kt / er                                                     # K * exp(m - Gl)
+    else:
+        expo = torch.matmul(_const("span", ST, cd, dev), gt).unflatten(-2, (ST, ST))        # [..., n, i, j, K]
+        fac = _exp(expo, fl).mul_(_const("revcum", ST, cd, dev).T[:, :, None])              # keep j <= i
+        xd = torch.stack([kbt, qt], -3)
+        kdg = fac * kt[..., None, :, :]                                                    # [..., n, i, j, K]
+    return xd, kdg, er, fac
+
+
+def _grams(k: Tensor, tiles: _Tiles, n: int) -> tuple[Tensor, Tensor]:
+    """Both Grams ``(A, P) [..., C, C]`` from the sub-tile operands: the diagonal tiles, then the blocks below."""
+    cd, dev, ST, C = k.dtype, k.device, SUB_TILE, k.shape[-2]
+    xd, kdg = tiles.xd, tiles.kdg
+    if tiles.dense:
+        diag = torch.matmul(xd.flatten(-3, -2), kdg.transpose(-1, -2))   # [..., n, 32, 16]
+        diag = torch.where(_const("diag_keep", ST, torch.bool, dev), diag, 0.0)
+    else:
+        diag = torch.matmul(xd.transpose(-3, -2), kdg.transpose(-1, -2))                  # [..., n, i, 2, j]
+        diag = diag.transpose(-3, -2).flatten(-3, -2) * _const("diag_keep", ST, cd, dev)  # [..., n, 32, 16]
+    A = k.new_zeros(*k.shape[:-2], C, C)
+    P = k.new_zeros(*k.shape[:-2], C, C)
+    d2 = diag.unflatten(-2, (2, ST))                                      # [..., n, 2, 16, 16]
+    for r, L in enumerate((A, P)):
+        _diag_tiles(L, n).copy_(d2[..., r, :, :])
+    if n > 1:
+        off = torch.matmul(tiles.xs.flatten(-3, -2), tiles.ks.transpose(-1, -2)).unflatten(-2, (2, ST))
+        for r, L in enumerate((A, P)):                                    # off: [..., n-1, 2, 16, ce]
+            L[..., ST:, :C - ST] += off[..., r, :, :].flatten(-3, -2)
+    return A, P
+
+
 def _intra(q: Tensor, k: Tensor, v: Tensor, g: Tensor, b: Tensor, dense: bool, kept: _Kept | None = None,
            values: bool = True) -> tuple[_Intra, tuple[Tensor, Tensor] | None]:
     """Decay factors, both Grams, the UT solve and the chunk transition, batched over [NC, H].
@@ -240,66 +317,24 @@ def _intra(q: Tensor, k: Tensor, v: Tensor, g: Tensor, b: Tensor, dense: bool, k
     cd = q.dtype
     fl = _EXP_FLOOR[cd]
     C, K = k.shape[-2], k.shape[-1]
-    n, ST = C // SUB_TILE, SUB_TILE
+    n = C // SUB_TILE
     dev = q.device
-    tiled = lambda x: x.unflatten(-2, (n, ST))  # noqa: E731   [..., C, K] -> [..., n, 16, K]
-    gt = tiled(g)
-    Gl = gt.cumsum(-2)                                                    # sum over [tile start, i]
-    tot = Gl[..., -1, :]                                                  # [..., n, K]
-    G = Gl + (tot.cumsum(-2) - tot)[..., None, :] if n > 1 else Gl       # + earlier tiles (same-sign sums)
-    sufl = torch.matmul(_const("suffix", ST, cd, dev), gt)                # sum over (j, tile end]
-    esuf = sufl + torch.matmul(_const("suffix", n, cd, dev), tot)[..., None, :] if n > 1 else sufl.clone()
-    esuf = _exp(esuf, fl).flatten(-3, -2)                                 # exp(G_C - G)
-    gam = _exp(G.flatten(-3, -2), fl, inplace=n > 1)
+    gt, Gl, tot, sufl, esuf, gam = _decay(g, n, fl, cd, dev)
     kb = k * b[..., None]
     kd = k * esuf
-    kt, kbt, qt = tiled(k), tiled(kb), tiled(q)
-    rowf = esufl = ehop = xs = ks = er = fac = None
-    lead = k.shape[:-2]
+    kt, kbt, qt = (x.unflatten(-2, (n, SUB_TILE)) for x in (k, kb, q))  # [..., C, K] -> [..., n, 16, K]
+    rowf = esufl = ehop = xs = ks = None
     if n > 1:
-        rowf = _exp(Gl[..., 1:, :, :], fl, inplace=False)
-        between = torch.matmul(_const("between", n, cd, dev), tot).unflatten(-2, (n, n))   # [..., s, t, K]
-        # column factor of block (s, t) = exp(sum over (j, end of t]) * exp(tiles strictly between): both <= 1
-        ehop = _exp(between[..., 1:, :-1, :], fl, inplace=False)
-        ehop.mul_(_const("revcum", n - 1, cd, dev).T[:, :, None])                          # keep t < s
-        esufl = _exp(sufl[..., :-1, :, :], fl, inplace=False)
-        xs = k.new_empty(*lead, n - 1, 2, ST, K)
-        torch.mul(kbt[..., 1:, :, :], rowf, out=xs[..., 0, :, :])
-        torch.mul(qt[..., 1:, :, :], rowf, out=xs[..., 1, :, :])
-        ks = ((kt[..., :-1, :, :] * esufl)[..., None, :, :, :] * ehop[..., :, :, None, :]).flatten(-3, -2)
-    if dense:
-        er = (Gl - 0.5 * (Gl[..., :1, :] + Gl[..., -1:, :])).exp_()     # midpoint of the tile's range (g <= 0)
-        xd = k.new_empty(*lead, n, 2, ST, K)
-        torch.mul(kbt, er, out=xd[..., 0, :, :])
-        torch.mul(qt, er, out=xd[..., 1, :, :])
-        kdg = kt / er                                                     # K * exp(m - Gl)
-    else:
-        expo = torch.matmul(_const("span", ST, cd, dev), gt).unflatten(-2, (ST, ST))        # [..., n, i, j, K]
-        fac = _exp(expo, fl).mul_(_const("revcum", ST, cd, dev).T[:, :, None])              # keep j <= i
-        xd = torch.stack([kbt, qt], -3)
-        kdg = fac * kt[..., None, :, :]                                                    # [..., n, i, j, K]
+        rowf, esufl, ehop, xs, ks = _off_diagonal_operands(k, kt, kbt, qt, Gl, tot, sufl, n, fl)
+    xd, kdg, er, fac = _diagonal_operands(k, kt, kbt, qt, Gl, gt, n, fl, dense)
     tiles = _Tiles(rowf, esufl, ehop, xs, ks, xd, kdg, er, fac, dense)
     if kept is not None:                                                  # backward: the rest was kept
         W, Uw = kept.sol[..., :K], kept.sol[..., K:]
         qn = torch.matmul(kept.P, W).addcmul_(q, gam, value=-1.0)
         it = _Intra(q, k, v, b, gam, esuf, kd, kb, kept.Tinv, kept.P, kept.sol, W, Uw, kept.Mn, qn, tiles)
         return it, None
-    if dense:
-        diag = torch.matmul(xd.flatten(-3, -2), kdg.transpose(-1, -2))   # [..., n, 32, 16]
-        diag = torch.where(_const("diag_keep", ST, torch.bool, dev), diag, 0.0)
-    else:
-        diag = torch.matmul(xd.transpose(-3, -2), kdg.transpose(-1, -2))                  # [..., n, i, 2, j]
-        diag = diag.transpose(-3, -2).flatten(-3, -2) * _const("diag_keep", ST, cd, dev)  # [..., n, 32, 16]
-    A = k.new_zeros(*lead, C, C)
-    P = k.new_zeros(*lead, C, C)
-    d2 = diag.unflatten(-2, (2, ST))                                      # [..., n, 2, 16, 16]
-    for r, L in enumerate((A, P)):
-        _diag_tiles(L, n).copy_(d2[..., r, :, :])
-    if n > 1:
-        off = torch.matmul(xs.flatten(-3, -2), ks.transpose(-1, -2)).unflatten(-2, (2, ST))  # [..., n-1, 2, 16, ce]
-        for r, L in enumerate((A, P)):
-            L[..., ST:, :C - ST] += off[..., r, :, :].flatten(-3, -2)
-    rhs = k.new_empty(*lead, C, K + v.shape[-1])
+    A, P = _grams(k, tiles, n)
+    rhs = k.new_empty(*k.shape[:-2], C, K + v.shape[-1])
     torch.mul(kb, gam, out=rhs[..., :K])
     torch.mul(v, b[..., None], out=rhs[..., K:])
     # explicit inverse (one triangular solve against I, then GEMMs; reused by the backward as T^T)

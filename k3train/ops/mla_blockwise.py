@@ -1,7 +1,7 @@
 """Blockwise (flash-attention structured) Gated MLA attention that expands keys and values from the latent per
 key block: no ``[Tq, Tk]`` tensor, no dense mask and no all-keys K/V are ever built.
 
-Contract (the dense reference is :func:`k3train.model.mla.attention_core` on ``MLA.expand_latent(latent)``)::
+Contract (the dense reference is :func:`k3train.ops.mla_dense.attention_core` on ``MLA.expand_latent(latent)``)::
 
     q       [B, H, Tq, Dqk]     any float dtype; computed in fp32 (fp64 when q is fp64)
     latent  [B, Tk, L]          L = kv_lora_rank + Dr (the only per-key tensor that exists for all keys)
@@ -125,7 +125,7 @@ def _expand_block(expand: ExpandFn, latent: Tensor, b: int, ks: slice, cdt: torc
 
 def _shapes_only(t: Tensor) -> bool:
     """Whether ``t`` has shape and dtype but no data: the memory estimator's trace (FakeTensorMode), which books
-    bytes only (k3train/planning/memory.py)."""
+    bytes only (k3train/planning/memory/)."""
     return isinstance(t, FakeTensor)
 
 

@@ -1,6 +1,6 @@
 """MLA attention through torch FlexAttention with a document + causal ``BlockMask`` (the CUDA flash path).
 
-Same contract as the dense reference :func:`k3train.model.mla.attention_core` (``q [B, H, Tq, Dqk]``,
+Same contract as the dense reference :func:`k3train.ops.mla_dense.attention_core` (``q [B, H, Tq, Dqk]``,
 ``k [B, H, Tk, Dqk]``, ``v [B, H, Tk, Dv]``, :class:`~k3train.model.mla.MaskInfo` -> ``[B, H, Tq, Dv]`` fp32;
 K3: Dqk = 128 + 64 = 192, Dv = 128), so it can be ``MLA.attention_op``
 (k3train/model/kernels.py picks).

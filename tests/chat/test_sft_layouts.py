@@ -35,7 +35,7 @@ def sft(tmp_path_factory):
     from k3train.data.chat.prepare import prepare_chat
     from k3train.data.special_tokens import SpecialTokens
     from k3train.data.tokenizer import load_tokenizer
-    from k3train.hf.commands import import_hf_main
+    from k3train.hf_commands import import_hf_main
 
     d = tmp_path_factory.mktemp("sft")
     ckpt = d / "Kimi-Linear-tiny"

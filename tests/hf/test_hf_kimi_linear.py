@@ -77,7 +77,7 @@ def test_import_export_round_trip_is_bit_identical(kl, tmp_path):
 
 def test_import_hf_writes_the_run_config(kl, tmp_path):
     from k3train.config import load_config
-    from k3train.hf.commands import import_hf_main
+    from k3train.hf_commands import import_hf_main
 
     d, _ = kl
     out = tmp_path / "run.yaml"
@@ -141,7 +141,7 @@ def _parallel_body(rank: int, world: int, run_yaml: str, tmp: str, ref: dict) ->
 
 def test_training_after_import_and_export(kl, tmp_path):
     from k3train.config import load_config
-    from k3train.hf.commands import export_hf_main, import_hf_main
+    from k3train.hf_commands import export_hf_main, import_hf_main
     from k3train.trainer import Trainer
 
     d, _ = kl
@@ -223,7 +223,7 @@ def test_bad_checkpoint_is_one_line_before_anything_is_built(kl, tmp_path, how):
     import shutil
 
     from k3train.config import ConfigError
-    from k3train.hf.commands import import_config_text
+    from k3train.hf_commands import import_config_text
     from k3train.preflight import validate_run
 
     d, _ = kl
@@ -245,7 +245,7 @@ def test_bad_checkpoint_through_the_entry_point(kl, tmp_path):
     import sys
 
     from k3train.runtime.process_groups import child_pythonpath
-    from k3train.hf.commands import import_config_text
+    from k3train.hf_commands import import_config_text
 
     d, _ = kl
     bad = tmp_path / "bad"

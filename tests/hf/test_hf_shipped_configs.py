@@ -38,7 +38,7 @@ def test_shipped_config_maps_both_ways(name):
 
 def test_make_train_run_exports_and_imports_bit_for_bit(tmp_path):
     from k3train.config import load_config
-    from k3train.hf.commands import export_hf_main
+    from k3train.hf_commands import export_hf_main
     from k3train.hf.export import write_hf_shards
     from k3train.trainer import Trainer
 

@@ -8,8 +8,8 @@ process and one micro-batch per step, :func:`.layer_times.anchor_overrides`), ru
 steps (the first allocates optimizer state), then ``R`` rounds of: the isolated per-layer timing of
 :func:`.layer_bench.bench_layers` at the same ``[B, T]`` shape, then one real training step. A
 round's ratio of the step's forward + backward to the isolated layers' sum is taken from two measurements seconds
-apart, so a drift of the host's speed (this workplace's VMs drift by 2x within an hour: see README) cancels; the
-anchor is the median over the rounds. ``FILE`` holds ``{"rounds": [{phases of the step, "isolated_fb_s"}, ...]}``.
+apart, so a drift of the host's speed (this workplace's VMs drift by 2x within an hour: see docs/benchmarks.md)
+cancels; the anchor is the median over the rounds. ``FILE`` holds ``{"rounds": [{phases of the step, "isolated_fb_s"}, ...]}``.
 
 ``python -m k3train.planning.calibration.anchor_run --concurrency N --config C --out FILE ...``
 (:func:`~k3train.planning.calibration.anchor.run_concurrency`) measures

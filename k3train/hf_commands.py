@@ -176,7 +176,7 @@ def export_hf_main(argv: list[str]) -> int:
     rank_argv = [x for i, x in enumerate(argv) if not (x.startswith("--nproc=") or x == "--nproc"
                                                       or (i and argv[i - 1] == "--nproc"))]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={a.nproc}", "--standalone",
-           "-m", "k3train.hf.commands", *rank_argv]
+           "-m", "k3train.hf_commands", *rank_argv]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     os.execve(sys.executable, cmd, env)
@@ -220,7 +220,7 @@ def run_export(cfg: Any, a: argparse.Namespace) -> int:
 
 
 def export_rank_main() -> int:
-    """``python -m k3train.hf.commands ...`` under torchrun: one rank of ``export-hf`` (validated by the launcher;
+    """``python -m k3train.hf_commands ...`` under torchrun: one rank of ``export-hf`` (validated by the launcher;
     every rank validates again, cheaply, so a direct torchrun call is safe too)."""
     a, overrides = _export_parser().parse_known_args(sys.argv[1:])
     logging.basicConfig(level=logging.INFO if os.environ.get("RANK", "0") == "0" else logging.WARNING,
