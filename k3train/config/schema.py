@@ -102,9 +102,10 @@ class Config:
         where this does, with the same error.
         The planner checks a hundred thousand layouts of one config with it (tests/planning/test_plan.py checks
         the two against each other)."""
-        check_parallel(self, world_size)
-        check_train(self)
-        check_objective(self)
+        m, p, t = self.model, self.parallel, self.train
+        check_parallel(p, m, world_size, self.need)
+        check_train(t, m, p, self.data, self.need, self.origin)
+        check_objective(t, m, p, self.checkpoint, self.need)
         return self
 
     def ep_overlap(self) -> tuple[bool, str]:
