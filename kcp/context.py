@@ -38,7 +38,7 @@ from kcp.pairs import KdaFn, LocalLayout
 logger = logging.getLogger(__name__)
 
 
-def _resolve_group(dims_or_group: Any) -> Any:
+def cp_group_of(dims_or_group: Any) -> Any:
     """A ``ParallelDims`` (its ``'cp'`` group, sided under F/B pairing: ``ParallelDims.sided``), a process group,
     or None (CP size 1)."""
     if dims_or_group is not None and hasattr(dims_or_group, "group") and hasattr(dims_or_group, "cp_rank"):
@@ -65,7 +65,7 @@ class KCPContext:
                  kda_fn: KdaFn | None = None, stats: CommStats | None = None, mla_balance: bool = True) -> None:
         if doc_ids.dim() != 2:
             raise ValueError(f"KCPContext: doc_ids must be [B, T], got {tuple(doc_ids.shape)}")
-        self.group = _resolve_group(dims_or_group)
+        self.group = cp_group_of(dims_or_group)
         self.size, self.rank = group_size_rank(self.group)
         self.stats = stats if stats is not None else CommStats()
         self.kda_fn = kda_fn

@@ -53,7 +53,7 @@ from torch import Tensor
 
 from k3train.model.vit import MediaLayout
 from kcp.comm import CommStats, all_gather_autograd, all_gather_stacked, group_size_rank
-from kcp.context import _resolve_group
+from kcp.context import cp_group_of
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ class VisionCPContext:
 
     def __init__(self, dims_or_group: Any, grid_thw: Tensor, min_patches: int, merge: int = 2, *,
                  stats: CommStats | None = None) -> None:
-        self.group = _resolve_group(dims_or_group)
+        self.group = cp_group_of(dims_or_group)
         self.size, self.rank = group_size_rank(self.group)
         self.stats = stats if stats is not None else CommStats()
         self.merge = merge

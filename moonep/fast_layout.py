@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from moonep.layout import RankLayout, WeightTransfer, reduce_round
-from moonep.planner import Plan, _check, balanced_capacity, plan_static
+from moonep.planner import Plan, check_counts, balanced_capacity, plan_static
 
 
 def counts_to_host(gathered: torch.Tensor, num_ranks: int) -> np.ndarray:
@@ -50,7 +50,7 @@ def plan_with_takes(counts: Sequence[int] | np.ndarray, num_ranks: int,
     """The plan of :func:`moonep.planner.make_plan` (identical, field by field) and its moves as ``takes[M, 4]``
     rows ``(expert, receiving rank, entries, replica slot at the receiver)``: entries of a home-group expert
     computed on a foreign rank, ordered by (receiver, expert), i.e. by (receiver, slot)."""
-    c = _check(counts, num_ranks)
+    c = check_counts(counts, num_ranks)
     if not moonep:
         return plan_static(c, num_ranks), np.zeros((0, 4), dtype=np.int64)
     R, E = num_ranks, c.size

@@ -105,7 +105,7 @@ class Plan:
         return table
 
 
-def _check(counts: Sequence[int] | np.ndarray, num_ranks: int) -> np.ndarray:
+def check_counts(counts: Sequence[int] | np.ndarray, num_ranks: int) -> np.ndarray:
     c = np.asarray(counts, dtype=np.int64).reshape(-1)
     if num_ranks < 1 or c.size % num_ranks != 0:
         raise ValueError(f"planner: num_experts={c.size} must be a positive multiple of num_ranks={num_ranks}")
@@ -123,7 +123,7 @@ def balanced_capacity(total: int, num_ranks: int) -> np.ndarray:
 
 def plan_static(counts: Sequence[int] | np.ndarray, num_ranks: int) -> Plan:
     """Plain EP: every expert computed on its owner (no replicas). Same fields as the MoonEP plan."""
-    c = _check(counts, num_ranks)
+    c = check_counts(counts, num_ranks)
     n = c.size // num_ranks
     alloc = np.zeros((c.size, num_ranks), dtype=np.int64)
     alloc[np.arange(c.size), np.arange(c.size) // n] = c
@@ -136,7 +136,7 @@ def plan_redundant_experts(counts: Sequence[int] | np.ndarray, num_ranks: int) -
 
     Pure and deterministic: every rank computes the identical plan from the same counts.
     """
-    c = _check(counts, num_ranks)
+    c = check_counts(counts, num_ranks)
     R, E = num_ranks, c.size
     n = E // R
     cap = balanced_capacity(int(c.sum()), R)
@@ -219,7 +219,7 @@ def replica_lower_bound(counts: Sequence[int] | np.ndarray, num_ranks: int) -> i
     each replica carrying at most that expert's count; so it needs at least the smallest ``j`` whose ``j``
     largest foreign counts reach the deficit.
     """
-    c = _check(counts, num_ranks)
+    c = check_counts(counts, num_ranks)
     n = c.size // num_ranks
     cap = balanced_capacity(int(c.sum()), num_ranks)
     best = 0

@@ -100,7 +100,7 @@ def _build_layout(lengths: list[int], chunk: int, device: torch.device) -> _Layo
                    torch.argsort(order).to(**to), [s.to(**to) for s in step_ids], entry_inv.to(**to))
 
 
-def _lengths(B: int, T: int, cu_seqlens: Tensor | None) -> list[int]:
+def doc_lengths(B: int, T: int, cu_seqlens: Tensor | None) -> list[int]:
     if cu_seqlens is None:
         return [T] * B
     cu = cu_seqlens.tolist()
@@ -262,7 +262,7 @@ def chunk_kda_autograd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     Vd = v.shape[-1]
     cd = compute_dtype(q.dtype)
     scale = K ** -0.5 if scale is None else scale
-    layout = _build_layout(_lengths(B, T, cu_seqlens), chunk_size, q.device)
+    layout = _build_layout(doc_lengths(B, T, cu_seqlens), chunk_size, q.device)
     qc, kc, vc, gc, bc = (_to_chunks(x, layout, chunk_size, cd) for x in (q, k, v, g, beta))
     qc = qc * scale
 
@@ -300,7 +300,7 @@ def kda_transition(k: Tensor, g: Tensor, beta: Tensor, *, cu_seqlens: Tensor | N
         raise ValueError(f"chunk_size must be a positive multiple of {SUB_TILE}, got {chunk_size}")
     B, T, H, K = k.shape
     cd = compute_dtype(k.dtype)
-    layout = _build_layout(_lengths(B, T, cu_seqlens), chunk_size, k.device)
+    layout = _build_layout(doc_lengths(B, T, cu_seqlens), chunk_size, k.device)
     kc, gc, bc = (_to_chunks(x, layout, chunk_size, cd) for x in (k, g, beta))
     dec = _decay_sums(gc)
     W, _ = _ut_transform(kc, dec, bc, None, dec.span <= _DENSE_SPAN_MAX[cd])

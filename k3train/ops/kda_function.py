@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .kda_chunk import SUB_TILE, _lengths
+from .kda_chunk import SUB_TILE, doc_lengths
 from .kda_naive import check_kda_inputs, compute_dtype
 
 __all__ = ["chunk_kda_function", "dense_diagonal_ok", "KEEP_LIMIT", "SUB_TILE"]
@@ -527,7 +527,7 @@ def chunk_kda_function(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
         raise ValueError(f"g_lower_bound must be <= 0 (log decays are <= 0), got {g_lower_bound}")
     B, T, H, K = k.shape
     scale = K ** -0.5 if scale is None else scale
-    lay = _step_layout(_lengths(B, T, cu_seqlens), chunk_size, H, q.device)
+    lay = _step_layout(doc_lengths(B, T, cu_seqlens), chunk_size, H, q.device)
     dense = dense_diagonal_ok(g_lower_bound, q.dtype)
     o, final = _ChunkKDA.apply(q, k, v, g, beta, initial_state, float(scale), lay, chunk_size, dense, n_seq,
                                keep_solve)
