@@ -195,7 +195,7 @@ class _Hooks:
     def hooks(self) -> SearchHooks:
         return SearchHooks(family_memory=self.family_memory, family_compute_bound=self.family_compute_bound,
                            family_bound=self.family_bound,
-                           core_bound=self.core_bound, rows_of=self.rows_of,
+                           core_time=self.core_time, core_memory=self.core_memory, rows_of=self.rows_of,
                            count=self.space.count, row_bound=self.row_bound, predict=self.p.predict,
                            trace=self.p.trace, upper=self.upper.of, log=self.p.log)
 
@@ -236,17 +236,26 @@ class _Hooks:
         return min(family_lower_bound(core.cfg, self._knobs(core, moonep=m), self.whole, p.dev, p.lt, p.skew)
                    for m in self._moonep(core))
 
-    def core_bound(self, core: Core) -> tuple[float, int]:
-        """``(the smallest step-time lower bound of core's layouts, the static memory bound of its least
-        memory-hungry layout)`` (every layout when the rows are made up front: no memory shortcut)."""
+    def core_time(self, core: Core) -> float:
+        """The smallest step-time lower bound of ``core``'s layouts."""
         z = max(self.space.knobs["zero"])
-        t = min(self.row_bound(self._row(self._knobs(core, zero=z, moonep=m, recompute=False, overlap_ep=True),
-                                         core)) for m in self._moonep(core))
+        return min(self.row_bound(self._row(self._knobs(core, zero=z, moonep=m, recompute=False, overlap_ep=True),
+                                            core)) for m in self._moonep(core))
+
+    def core_memory(self, core: Core) -> int:
+        """The memory bound of ``core``'s least memory-hungry layout (top ZeRO stage, recomputation, no MoonEP,
+        unpaired): its static bound refined with the token mixers' traced pieces, as the search refines a row's
+        when it comes up -- so that a core none of whose layouts fits is left out whole, before any of its rows is
+        made or bounded in time (0 when the rows are made up front: every row is bounded then)."""
         if self.materialized:
-            return t, 0
+            return 0
+        z = max(self.space.knobs["zero"])
         least = self._row(self._knobs(core, zero=z, moonep=False, recompute=True, overlap_ep=False), core)
         self.bounds.static(least)
-        return t, least.mem_bound
+        if least.mem_bound <= self.bounds.hbm:
+            self.bounds.with_mixers(least)
+            least.mem_bound = max(least.mem_bound, self.bounds.bound[least.bound_key])
+        return least.mem_bound
 
     def _row(self, lay: Layout, core: Core) -> Row:
         return Row(layout=lay, cfg=layout_config(core.cfg, lay))

@@ -59,13 +59,14 @@ class SearchSettings:
 
 @dataclass
 class SearchHooks:
-    """What the search calls for the planner: a family's / core's bounds (time; and the core's least memory),
+    """What the search calls for the planner: a family's / core's bounds (time; the core's least memory),
     a core's rows (static memory bounds set), a row's time bound, its prediction, its estimate, its upper
     bound, and the log."""
     family_memory: Callable[[Any], int]
     family_compute_bound: Callable[[Any], float]
     family_bound: Callable[[Any], float]
-    core_bound: Callable[[Any], tuple[float, int]]
+    core_time: Callable[[Any], float]
+    core_memory: Callable[[Any], int]
     rows_of: Callable[[Any], list[Row]]
     count: Callable[[Any], int]
     row_bound: Callable[[Row], float]
@@ -169,18 +170,21 @@ class Search:
         return True
 
     def _expand_family(self, key: float, cores: list[Any], refined: bool) -> None:
-        """A family at its compute bound re-enters at its bound with communication; at that, its cores enter."""
+        """A family at its compute bound: its cores whose least memory-hungry layout is over the memory bound
+        leave (all their layouts with them), the rest re-enter as the family at its bound with communication; at
+        that, each core enters at its own bound."""
         if not refined:
-            fine = self.h.family_bound(cores[0])
-            if fine > key:
-                self._push(fine, FAMILY, (cores, True))
+            fit = [c for c in cores if self.h.core_memory(c) <= self.s.hbm]
+            self.c.dropped_cores += sum(self.h.count(c) for c in cores if c not in fit)
+            if not fit:
                 return
+            fine = self.h.family_bound(fit[0])
+            if fine > key:
+                self._push(fine, FAMILY, (fit, True))
+                return
+            cores = fit
         for core in cores:
-            t_lb, mem = self.h.core_bound(core)
-            if mem > self.s.hbm:
-                self.c.dropped_cores += self.h.count(core)
-            else:
-                self._push(t_lb, CORE, core)
+            self._push(self.h.core_time(core), CORE, core)
 
     def _expand_core(self, core: Any) -> None:
         for r in self.h.rows_of(core):
