@@ -69,7 +69,8 @@ def test_planner_memory_is_the_memory_tools(capsys):
 
     dsv3 = ["--parallel.pp=16", "--parallel.vpp=1", "--parallel.dp=64", "--parallel.cp=1", "--parallel.ep=64",
             "--parallel.zero=1", "--train.micro_batch_size=1", "--parallel.recompute=true",
-            "--parallel.schedule=1f1b", "--parallel.overlap_ep=false", "--parallel.moonep=false"]
+            "--parallel.schedule=1f1b", "--parallel.overlap_ep=false", "--parallel.moonep=false",
+            f"--data.path={shipped_view('corpus_text_document')}"]  # the estimate reads the corpus: a private view
     tool = tool_peak(DSV3, 1024, dsv3)  # its pieces kept in the memory cache: the planner traces none again
     (row,) = Planner(DSV3, dsv3, 1024, _dev(), log=_quiet, store=True).run().rows
     assert row.fits and not row.peak_is_bound and row.peak_bytes == tool
