@@ -33,7 +33,7 @@ import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch.distributed as dist
@@ -319,6 +319,18 @@ def ensure_helpers() -> None:
     except ImportError as e:
         raise DataError(f"megatron.core.datasets.helpers_cpp is not importable ({e}); reinstall megatron-core "
                         "(its wheels ship the compiled helpers)") from None
+
+
+def rows_over_epochs(epoch_rows: Callable[[int], list[Any]], num_samples: int | None) -> tuple[list[Any], int]:
+    """``(rows, epochs)``: the packed rows of epochs 0, 1, ... (``epoch_rows(epoch)``, each epoch its own order)
+    until there are ``num_samples`` (one epoch when None) -- the packing datasets' common loop."""
+    rows: list[Any] = []
+    epoch = 0
+    while True:
+        rows.extend(epoch_rows(epoch))
+        epoch += 1
+        if num_samples is None or len(rows) >= num_samples:
+            return rows, epoch
 
 
 def split_document_ranges(num_sequences: int, split: str) -> list[tuple[int, int] | None]:

@@ -33,7 +33,7 @@ from k3train.config import SPLIT_NAMES
 from k3train.data.batch import Batch
 from k3train.data.chat.validate import ChatInfo, validate_chat_dataset
 from k3train.data.corpus import DataError
-from k3train.data.dataset import bin_path, split_document_ranges
+from k3train.data.dataset import bin_path, rows_over_epochs, split_document_ranges
 
 logger = logging.getLogger(__name__)
 
@@ -77,14 +77,7 @@ class ChatDataset:
         self.tokens = np.memmap(bin_path(prefix), dtype=self.info.tokens.dtype, mode="r")
         self.mask = np.memmap(bin_path(self.info.mask_prefix), dtype=np.uint8, mode="r")
         self.doc_start = np.concatenate([[0], np.cumsum(self.info.tokens.sequence_lengths.astype(np.int64))])
-        self.rows: list[list[tuple[int, int]]] = []  # [(doc, kept tokens), ...]
-        epoch = 0
-        while True:
-            self.rows.extend(self._epoch_rows(epoch))
-            epoch += 1
-            if num_samples is None or len(self.rows) >= num_samples:
-                break
-        self.num_epochs = epoch
+        self.rows, self.num_epochs = rows_over_epochs(self._epoch_rows, num_samples)  # [(doc, kept tokens), ...]
 
     def _epoch_rows(self, epoch: int) -> list[list[tuple[int, int]]]:
         order = np.random.default_rng([self.seed, epoch]).permutation(len(self.docs))

@@ -35,7 +35,7 @@ import torch
 from k3train.config import SPLIT_NAMES
 from k3train.data.batch import Batch
 from k3train.data.corpus import DataError
-from k3train.data.dataset import bin_path, split_document_ranges
+from k3train.data.dataset import bin_path, rows_over_epochs, split_document_ranges
 from k3train.data.multimodal.media_store import DOC, MediaStore
 from k3train.data.multimodal.validate import MultimodalInfo, validate_multimodal_dataset, vision_geometry
 
@@ -86,14 +86,7 @@ class MultimodalDataset:
         self.store = MediaStore(prefix, patch_size)
         self._pieces = {int(d): self._cut(int(d)) for d in self.docs}
         # rows: list of [(doc, begin, end), ...]
-        self.rows: list[list[tuple[int, int, int]]] = []
-        epoch = 0
-        while True:
-            self.rows.extend(self._epoch_rows(epoch))
-            epoch += 1
-            if num_samples is None or len(self.rows) >= num_samples:
-                break
-        self.num_epochs = epoch
+        self.rows, self.num_epochs = rows_over_epochs(self._epoch_rows, num_samples)
 
     def _cut(self, doc: int) -> list[tuple[int, int]]:
         lo, hi = int(self.media_lo[doc]), int(self.media_hi[doc])
