@@ -270,7 +270,8 @@ def _print_plan(args: argparse.Namespace, planner: Any, res: Any, lt: Any, ranke
         print(format_table(res, show))
     else:  # nothing fits: still show what is fastest, and how far from fitting
         fast = sorted((r for r in res.rows if r.pred is not None), key=lambda r: r.pred.step_s)[:args.top]
-        print(f"NO layout fits {res.device.hbm_bytes / 2**30:.1f} GiB; the fastest predicted ones (peak '-' = "
+        none = "NO layout fits" if res.status.proven else "NO layout found yet to fit"
+        print(f"{none} {res.device.hbm_bytes / 2**30:.1f} GiB; the fastest predicted ones (peak '-' = "
               f"not traced; memory lower bound {_lb(fast)}):")
         print(format_table(res, fast))
     if ref_row is not None:
@@ -388,7 +389,8 @@ def status_line(res, chosen) -> str:  # noqa: ANN001
     """The plan's first line: its answer, and whether it is proven best within the model or only the best so
     far (a budget ended the search: what was left that could still beat it)."""
     st = res.status
-    name = (f"{chosen.layout.short()}, {chosen.pred.step_s:.4g} s a step" if chosen is not None else "no layout fits")
+    name = (f"{chosen.layout.short()}, {chosen.pred.step_s:.4g} s a step" if chosen is not None else
+            "no layout fits" if st.proven else "no layout found to fit yet")
     if st.proven:
         return (f"best: {name} -- proven best of the {res.layouts} layouts within the model (the rest cannot be "
                 f"faster or does not fit)" if chosen is not None else

@@ -13,8 +13,9 @@ recomputation with it; layer recomputation keeps the hidden-state counts.
 Within the bound on one hidden state per FFN, each FFN counts its traced piece's bytes instead (once per row
 length, every cp alike); when a layout first comes up in the search, each token mixer counts its piece's bytes
 (traced per cp, for the cps of the layouts that come up), with the first backward's chunk composed as the
-estimator composes it; when it comes up for a trace, the embedding and head pieces too: first at what they hold at
-the space's smallest and largest ep (traced once per cp for every ep), then at its own. Every piece is traced into
+estimator composes it; when it comes up for a trace, the embedding and head pieces too, at its cp and ep (the
+pieces its estimate composes; traced at the space's extreme eps first, the first layout of a cp paid for three
+traces of several seconds each at K3 scale). Every piece is traced into
 the planner's :class:`~k3train.planning.memory.cache.EstimateCache` (the estimates reuse them; with a store, kept
 across plans).
 """
@@ -73,14 +74,14 @@ class PieceBounds:
     def __init__(self, cache: EstimateCache, facts: ParamFacts, val: Validator, hbm: float, t_end: float,
                  ep_ends: tuple[int, int]) -> None:
         self.cache, self.facts, self.val, self.hbm, self.t_end = cache, facts, val, hbm, t_end
-        self.ep_ends = ep_ends  # the space's smallest and largest ep: what the FFN and end pieces are traced at
+        self.ep_ends = ep_ends  # the space's smallest and largest ep: what the FFN pieces are traced at
         self.bound: dict[tuple, int] = {}
         self.flight: dict[tuple, list[list[int]]] = {}
         # one row's pieces and their fits' constants, None once the plan's time is spent
         self.ffn: dict[tuple, tuple[dict, dict] | None] = {}  # (row tokens, mode)
         self.mixer: dict[tuple, tuple[dict, dict] | None] = {}  # (row tokens, cp, mode)
         self.ends: dict[tuple, tuple[dict, dict] | None] = {}  # (row tokens, cp, mode, ep)
-        self.ends_at_most: dict[tuple, tuple[dict, dict]] = {}  # (row tokens, cp, mode): at most any ep's
+        self.missing: set[tuple] = set()  # (fn, key) of pieces a probe found untraced (``per_cp``)
         self.mixer_refine: dict[tuple, tuple] = {}  # bound key -> what the bound with the token mixers' pieces reads
         self.refine: dict[tuple, tuple] = {}  # bound key -> what the bound with the end pieces reads
 
@@ -113,50 +114,43 @@ class PieceBounds:
         if r.mem_bound > self.hbm:
             r.fits, r.skipped = False, "bound"
 
-    def with_mixers(self, r: Row) -> None:
+    def with_mixers(self, r: Row, trace: bool = True) -> None:
         """First up: the bound with the token mixers' traced pieces at its cp, the first backward's chunk composed
-        as the estimator composes it -- traced for the cps of the layouts that come up, not for every cp."""
+        as the estimator composes it -- traced for the cps of the layouts that come up, not for every cp (not
+        ``trace``: only with pieces traced already, in this plan or in the store; else left for later)."""
         if r.bound_key not in self.mixer_refine:
             return
+        mix = self.per_cp(r, mixer_bytes, self.mixer, self.t_end, probe=not trace)
+        if mix is None and not trace:
+            return
         args, ffn = self.mixer_refine.pop(r.bound_key)
-        mix = self.per_cp(r, mixer_bytes, self.mixer, self.t_end)
         if mix is not None:
             mix = rows_lower(*mix, r.layout.mbs)
             self.bound[r.bound_key] = max(self.bound[r.bound_key],
                                           static_memory_lower_bound(*args, ffn_saved=ffn, mixer=mix))
             self.refine[r.bound_key] = (args, ffn, mix)  # the end pieces: when it is about to be traced
 
-    def with_ends(self, r: Row, ends: tuple[dict, dict], final: bool = True) -> None:
-        """The bound with the first and last stage's traced pieces (one row's and their constants): ``final`` with
-        those at the layout's ep, else with :meth:`ends_low`'s (a bound too, kept where it is over the device)."""
-        args, ffn, mix = self.refine[r.bound_key]
-        b = max(self.bound[r.bound_key], static_memory_lower_bound(*args, ffn_saved=ffn, mixer=mix,
-                                                                   ends=rows_lower(*ends, r.layout.mbs)))
-        if final or b > self.hbm:
-            self.refine.pop(r.bound_key)
-            self.bound[r.bound_key] = r.mem_bound = b
+    def with_ends(self, r: Row, ends: tuple[dict, dict]) -> None:
+        """The bound with the first and last stage's traced pieces at the layout's ep (one row's and their
+        constants)."""
+        args, ffn, mix = self.refine.pop(r.bound_key)
+        self.bound[r.bound_key] = r.mem_bound = max(
+            self.bound[r.bound_key],
+            static_memory_lower_bound(*args, ffn_saved=ffn, mixer=mix, ends=rows_lower(*ends, r.layout.mbs)))
 
     def with_known_ends(self, r: Row) -> None:
-        """The end pieces at ``r``'s cp traced already (at the space's end eps, or at its ep): the bound with them
-        before a simulation."""
-        key = self._row_key(r) + (r.layout.cp, piece_mode(r.cfg, r.layout.recompute))
-        for ends, final in ((self.ends_at_most.get(key), False), (self.ends.get(key + (r.layout.ep,)), True)):
-            if ends is not None and r.bound_key in self.refine:
-                self.with_ends(r, ends, final)
+        """The end pieces at ``r``'s cp and ep traced already: the bound with them before a simulation."""
+        ends = self.ends.get(self._row_key(r) + (r.layout.cp, piece_mode(r.cfg, r.layout.recompute), r.layout.ep))
+        if ends is not None and r.bound_key in self.refine:
+            self.with_ends(r, ends)
 
     def with_traced_ends(self, r: Row, deadline: float | None) -> None:
-        """The end pieces traced at ``r``'s cp (for the estimate anyway: the same cache entries): over the device,
-        too big without the rest -- first with what they hold at the space's smallest and largest ep (traced once
-        per cp for every ep), then at its own. :class:`TraceDeadline` once ``deadline`` passes."""
-        low = self.ends_low(r, deadline)
-        if low is None:
+        """The end pieces traced at ``r``'s cp and ep (for the estimate anyway: the same cache entries): over the
+        device, too big without the rest. :class:`TraceDeadline` once ``deadline`` passes."""
+        ends = self.per_cp(r, end_bytes, self.ends, deadline, by_ep=True)
+        if ends is None:
             raise TraceDeadline()
-        self.with_ends(r, low, final=False)
-        if r.bound_key in self.refine:
-            ends = self.per_cp(r, end_bytes, self.ends, deadline, by_ep=True)
-            if ends is None:
-                raise TraceDeadline()
-            self.with_ends(r, ends)
+        self.with_ends(r, ends)
 
     def ffn_rows(self, r: Row) -> dict[bool, tuple[int, int]] | None:
         """The FFN pieces' ``(saved, b_peak)`` for ``r``'s micro-batch (:func:`rows_lower` of one row's), at most
@@ -173,32 +167,27 @@ class PieceBounds:
         got = self.ffn[key]
         return None if got is None else rows_lower(*got, r.layout.mbs)
 
-    def ends_low(self, r: Row, t_end: float | None) -> tuple[dict, dict] | None:
-        """``end_bytes`` at ``r``'s cp, at most what they are at any ep of the space: the smaller of their values
-        at its smallest and largest ep (the head's MTP layer runs the local experts: its backward holds a weight
-        gradient per local expert, fewer at a larger ep; see :meth:`ffn_rows`)."""
-        key = self._row_key(r) + (r.layout.cp, piece_mode(r.cfg, r.layout.recompute))
-        if key not in self.ends_at_most:
-            vals = [self.per_cp(r, end_bytes, self.ends, t_end, by_ep=True, ep=e) for e in sorted(set(self.ep_ends))]
-            if any(v is None for v in vals):
-                return None  # budget spent: not kept (a later trace may have the time)
-            self.ends_at_most[key] = _at_most(vals)
-        return self.ends_at_most[key]
-
     def per_cp(self, r: Row, fn: Any, memo: dict[tuple, Any], t_end: float | None, by_ep: bool = False,
-               ep: int | None = None, whole: bool = False) -> tuple[dict, dict] | None:
+               ep: int | None = None, whole: bool = False, probe: bool = False) -> tuple[dict, dict] | None:
         """``fn`` (:func:`mixer_bytes` or :func:`end_bytes`) for one row of ``r``'s micro-batch at its cp (None
         once the plan's time is spent; for layer recomputation, whose bound reads no pieces; and, unless
         ``whole``, where the estimator traces whole chunks: the composed pieces (each layer's traced at the
         deepest layer of its kind, with the most AttnRes sources) may hold more than a whole trace);
-        ``by_ep``: also per ep (``ep``, default ``r``'s: the head's MTP layer runs the local experts)."""
+        ``by_ep``: also per ep (``ep``, default ``r``'s: the head's MTP layer runs the local experts);
+        ``probe``: only if nothing needs a trace (the pieces in the cache or the store), else None, not kept."""
         mode = piece_mode(r.cfg, r.layout.recompute)
         if mode == "layer" or (not whole and whole_traces(r.cfg, r.layout.mbs, r.cfg.train.seq_len // r.layout.cp)):
             return None
         ep = ep or r.layout.ep
         key = self._row_key(r) + (r.layout.cp, mode) + ((ep,) if by_ep else ())
         if key not in memo:
-            memo[key] = self.traced(r, fn, t_end, ep)
+            if probe and (fn, key) in self.missing:
+                return None
+            got = self.traced(r, fn, 0.0 if probe else t_end, ep)  # a deadline already past: no new trace
+            if probe and got is None:
+                self.missing.add((fn, key))
+                return None
+            memo[key] = got
         return memo[key]
 
     def traced(self, r: Row, fn: Any, t_end: float | None, ep: int) -> tuple[dict, dict] | None:

@@ -196,7 +196,8 @@ class _Hooks:
         return SearchHooks(family_memory=self.family_memory, family_compute_bound=self.family_compute_bound,
                            family_bound=self.family_bound,
                            core_time=self.core_time, core_memory=self.core_memory, rows_of=self.rows_of,
-                           count=self.space.count, row_bound=self.row_bound, predict=self.p.predict,
+                           count=self.space.count, row_bound=self.row_bound,
+                           row_refined_bound=self.row_refined_bound, predict=self.p.predict,
                            trace=self.p.trace, upper=self.upper.of, log=self.p.log)
 
     def families(self) -> list[list[Core]]:
@@ -244,16 +245,16 @@ class _Hooks:
 
     def core_memory(self, core: Core) -> int:
         """The memory bound of ``core``'s least memory-hungry layout (top ZeRO stage, recomputation, no MoonEP,
-        unpaired): its static bound refined with the token mixers' traced pieces, as the search refines a row's
-        when it comes up -- so that a core none of whose layouts fits is left out whole, before any of its rows is
+        unpaired): its static bound refined with the token mixers' pieces where they are traced already (in this
+        plan or the store), as the search refines a row's when it comes up -- so that a core none of whose layouts fits is left out whole, before any of its rows is
         made or bounded in time (0 when the rows are made up front: every row is bounded then)."""
         if self.materialized:
             return 0
         z = max(self.space.knobs["zero"])
         least = self._row(self._knobs(core, zero=z, moonep=False, recompute=True, overlap_ep=False), core)
         self.bounds.static(least)
-        if least.mem_bound <= self.bounds.hbm:
-            self.bounds.with_mixers(least)
+        if least.mem_bound <= self.bounds.hbm:  # (with the pieces traced already: a new cp's take seconds)
+            self.bounds.with_mixers(least, trace=False)
             least.mem_bound = max(least.mem_bound, self.bounds.bound[least.bound_key])
         return least.mem_bound
 
@@ -269,10 +270,13 @@ class _Hooks:
     def rows_of(self, core: Core) -> list[Row]:
         return self.made[core.lay] if self.materialized else self._make(core)
 
-    def row_bound(self, r: Row) -> float:
+    def row_bound(self, r: Row, exact_pairs: bool = False) -> float:
         p = self.p
         return compute_lower_bound(r.cfg, r.layout, p.val.partition(r.cfg), p.dev, p.facts, p.lt, p.skew,
-                                   p.opt_times)
+                                   p.opt_times, exact_pairs)
+
+    def row_refined_bound(self, r: Row) -> float:
+        return self.row_bound(r, exact_pairs=True)
 
     def all_rows(self, examined: list[Row], status: Any) -> list[Row]:
         """The plan's rows: every row when made up front (those of cores the search left unexpanded marked with

@@ -70,6 +70,7 @@ class SearchHooks:
     rows_of: Callable[[Any], list[Row]]
     count: Callable[[Any], int]
     row_bound: Callable[[Row], float]
+    row_refined_bound: Callable[[Row], float]
     predict: Callable[[Row], Any]
     trace: Callable[[Row, float | None], None]
     upper: Callable[[Row, float | None], int | None]
@@ -109,6 +110,7 @@ class Search:
         self.by_layout: dict[Layout, Row] = {}
         self.families: dict[tuple, list[Row]] = {}
         self.seen: set[Layout] = set()
+        self.time_refined: set[Layout] = set()  # rows whose time bound has been refined (:meth:`_at_bound`)
         self.urgent: deque[Row] = deque()  # lighter neighbours of a layout traced too big: simulated next
         self.heuristic: list[Row] = []  # rows ruled out by a heuristic (module docstring)
         self.simulated: list[tuple[float, int, Row]] = []  # by prediction: the incumbent's candidates
@@ -202,6 +204,13 @@ class Search:
         if self.budgeted and r.layout.recompute and without_recompute(r.layout) in self.fits_norc:
             self._decide(r, "dominated")  # its twin fits and ranks first: only the ranks after it depend on it
             return
+        if r.layout not in self.time_refined:  # its paired stages' simulated pairs in the bound: a few ms
+            self.time_refined.add(r.layout)
+            fine = self.h.row_refined_bound(r)
+            if fine > r.lower_bound_s:
+                r.lower_bound_s = fine
+                self._push(fine, ROW, r)
+                return
         if self._over_refined_bound(r):
             return
         self._simulate(r)

@@ -16,9 +16,15 @@ def group_link(ranks: Any, dev: Device) -> tuple[float, float]:
 def peers_split(ranks: Any, dev: Device) -> tuple[int, int]:
     """``(inside, outside)``: the peers of the group's rank with the fewest of them in its own NVLink domain (the
     one whose NIC carries the most), inside its domain and outside it."""
-    per_domain = Counter(dev.domain_of(r) for r in ranks)
-    mine = min(per_domain.values())
-    return mine - 1, len(ranks) - mine
+    key = (tuple(ranks) if not isinstance(ranks, range) else ranks, id(dev))
+    if key not in _PEERS:  # memoised: the planner asks for the same few groups hundreds of thousands of times
+        per_domain = Counter(dev.domain_of(r) for r in ranks)
+        mine = min(per_domain.values())
+        _PEERS[key] = ((mine - 1, len(ranks) - mine), dev)  # the device kept alive: its id stays its own
+    return _PEERS[key][0]
+
+
+_PEERS: dict[tuple, Any] = {}
 
 
 def ring_time(kind: str, nbytes: float, ranks: Any, dev: Device, calls: int = 1) -> float:

@@ -69,16 +69,13 @@ def predict(cfg: Any, lay: Any, part: Any, programs: list[list[Any]], dev: Devic
     finish, opt, bcast, norm = [], [], [], []
     for r in range(lay.pp):
         d, e, _ = facts.stage_numel(part, r, lay.ep)
-        dg, eg = _stage_groups(lay, r)
         finish.append(max(sim.end[r], _grad_reduce_end(sim, lay, part, dev, r, d * es, e * es)))
         # every rank of the host updates at the same time
         opt.append(optimizer_seconds(facts, cfg, dev, part, r, lay, opt_times) / dev.rank_speed(lay.pp * dpcp))
         if anchor is not None:  # the norm's local work: the rank's share of the parameters' elements
             norm.append(anchor.grad_norm_s * (d + e) / max(1.0, total_numel) / dev.rank_speed(lay.pp * dpcp))
-        bcast.append(0.0 if lay.zero == 0 else  # one broadcast per owner of the group
-                     ring_time("all_gather", d * es, dg, dev, calls=len(dg))
-                     + ring_time("all_gather", e * es, eg, dev, calls=len(eg)))
-    fixed = _small_collectives_s(lay, dev)
+        bcast.append(param_gather_seconds(lay, dev, r, d * es, e * es))
+    fixed = small_collectives_s(lay, dev)
     # the breakdown is the bottleneck's: the pipeline rank with the most work (its idle time is the bubble)
     crit = max(range(lay.pp), key=lambda r: (sim.busy_compute[r] + sim.busy_comm[r], finish[r]))
     host = (max(norm) + anchor.host_step_s / dev.rank_speed(lay.pp * dpcp)) if anchor is not None else 0.0
@@ -113,28 +110,48 @@ def _stage_groups(lay: Any, r: int) -> tuple[range, range]:
     return range(r * dpcp, (r + 1) * dpcp), range(r * dpcp, (r + 1) * dpcp, lay.ep)
 
 
+def param_gather_seconds(lay: Any, dev: Device, r: int, dense_bytes: float, expert_bytes: float) -> float:
+    """ZeRO's parameter all-gather of pipeline rank ``r`` after the optimizer (one broadcast per owner of the
+    group; none without ZeRO); ``dense_bytes`` / ``expert_bytes``: the stage's."""
+    if lay.zero == 0:
+        return 0.0
+    dg, eg = _stage_groups(lay, r)
+    return (ring_time("all_gather", dense_bytes, dg, dev, calls=len(dg))
+            + ring_time("all_gather", expert_bytes, eg, dev, calls=len(eg)))
+
+
+def chunk_reduce_seconds(lay: Any, part: Any, dev: Device, r: int, dense_bytes: float,
+                         expert_bytes: float) -> list[float]:
+    """Per local chunk of pipeline rank ``r``: the seconds of its gradient reduction, issued at its last backward
+    (parallelize.set_chunk_backward_hook): ZeRO-2 one bucketed dist.reduce per owner of the group, ZeRO 0 / 1 an
+    all-reduce (optim/zero.py), of its layers' share of the stage's ``dense_bytes`` / ``expert_bytes``."""
+    dg, eg = _stage_groups(lay, r)
+    chunks = part.local_chunks(r)
+    n = max(1, sum(b - a for a, b in chunks))
+    out = []
+    for s, e_ in chunks:
+        share = (e_ - s) / n
+        if lay.zero == 2:
+            out.append(ring_time("reduce_scatter", dense_bytes * share, dg, dev, calls=len(dg))
+                       + ring_time("reduce_scatter", expert_bytes * share, eg, dev, calls=len(eg)))
+        else:
+            out.append(ring_time("all_reduce", dense_bytes * share, dg, dev)
+                       + ring_time("all_reduce", expert_bytes * share, eg, dev))
+    return out
+
+
 def _grad_reduce_end(sim: Any, lay: Any, part: Any, dev: Device, r: int, dense_bytes: float,
                      expert_bytes: float) -> float:
-    """When pipeline rank ``r``'s gradient reductions end: per chunk at its last backward
-    (parallelize.set_chunk_backward_hook), one link, overlapping the rest: ZeRO-2 one bucketed dist.reduce per owner
-    of the group, ZeRO 0 / 1 an all-reduce (optim/zero.py); ``dense_bytes`` / ``expert_bytes``: the stage's."""
-    dg, eg = _stage_groups(lay, r)
+    """When pipeline rank ``r``'s gradient reductions end: each chunk's (:func:`chunk_reduce_seconds`) at its
+    last backward, one after another on one link, overlapping the rest."""
+    dur = chunk_reduce_seconds(lay, part, dev, r, dense_bytes, expert_bytes)
     t_link = 0.0
-    share = {c: 0.0 for c in range(part.vpp)}
-    for c, (s, e_) in enumerate(part.local_chunks(r)):
-        share[c] = (e_ - s) / max(1, sum(b - a for a, b in part.local_chunks(r)))
     for c in sorted(sim.chunk_done[r], key=lambda c: sim.chunk_done[r][c]):
-        if lay.zero == 2:
-            dur = (ring_time("reduce_scatter", dense_bytes * share[c], dg, dev, calls=len(dg))
-                   + ring_time("reduce_scatter", expert_bytes * share[c], eg, dev, calls=len(eg)))
-        else:
-            dur = (ring_time("all_reduce", dense_bytes * share[c], dg, dev)
-                   + ring_time("all_reduce", expert_bytes * share[c], eg, dev))
-        t_link = max(t_link, sim.chunk_done[r][c]) + dur
+        t_link = max(t_link, sim.chunk_done[r][c]) + dur[c]
     return t_link
 
 
-def _small_collectives_s(lay: Any, dev: Device) -> float:
+def small_collectives_s(lay: Any, dev: Device) -> float:
     """Per-step small collectives (a traced step at world 2: 5-6 all-reduces): loss-token counts, grad norm, loss
     sums, QB histograms (one batched call), QK-clip max, metrics; + the pp-group reductions of the metrics."""
     n = lay.pp * lay.dp * lay.cp

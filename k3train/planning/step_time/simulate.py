@@ -87,6 +87,7 @@ class _Simulation:
         self.end = [0.0] * pp
         self.bc, self.bm = [0.0] * pp, [0.0] * pp
         self.chunk_done: list[dict[int, float]] = [{} for _ in range(pp)]
+        self.pair_ends: dict[tuple[int, int], tuple[float, float]] = {}  # (F stage, B stage) -> side ends
         self.chunk_b: list[int | None] = [None] * pp  # the chunk of the backward the running action holds (if any)
         self.done = [False] * pp
 
@@ -135,7 +136,9 @@ class _Simulation:
         costs, pairs = self.costs, self.pairs
         fv, bv = (v, v2) if a.kind == "F" else (v2, v)
         comp = costs.f[fv] + costs.b[bv]
-        ends = pair_side_ends(pairs[1][fv], pairs[2][bv])
+        if (fv, bv) not in self.pair_ends:  # the same two stages pair once per micro-batch: timed once
+            self.pair_ends[fv, bv] = pair_side_ends(pairs[1][fv], pairs[2][bv])
+        ends = self.pair_ends[fv, bv]
         total = max(ends)
         comm = max(0.0, total - comp)
         x = min(1.0, ends[0 if a.kind == "F" else 1] / total) if total > 0.0 else 1.0
