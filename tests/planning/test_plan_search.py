@@ -149,7 +149,8 @@ def _bounds_on_their_side(every, upper, dev) -> None:  # noqa: ANN001
         assert r.peak_bytes is not None and not r.peak_is_bound, r
         assert r.mem_bound <= r.peak_bytes, (r.layout.short(), r.mem_bound, r.peak_bytes)
         assert ups.get(r.layout, r.peak_bytes) >= r.peak_bytes, (r.layout.short(), ups.get(r.layout), r.peak_bytes)
-        lb = compute_lower_bound(r.cfg, r.layout, val.partition(r.cfg), dev, facts, None, 1.5, None)
+        lb = compute_lower_bound(r.cfg, r.layout, val.partition(r.cfg), dev, facts, None, 1.5, None,
+                                 exact_pairs=True)  # the search's refined bound: at least the first one
         fam = family_lower_bound(r.cfg, r.layout, whole, dev, None, 1.5)
         # (at pp 1 the bound is the prediction itself, summed in another order: a rounding apart)
         assert family_compute_bound(r.cfg, r.layout, dev, None, 1.5) <= fam <= lb * (1 + 1e-12) <= r.pred.step_s * (

@@ -14,8 +14,7 @@ Within the bound on one hidden state per FFN, each FFN counts its traced piece's
 length, every cp alike); when a layout first comes up in the search, each token mixer counts its piece's bytes
 (traced per cp, for the cps of the layouts that come up), with the first backward's chunk composed as the
 estimator composes it; when it comes up for a trace, the embedding and head pieces too, at its cp and ep (the
-pieces its estimate composes; traced at the space's extreme eps first, the first layout of a cp paid for three
-traces of several seconds each at K3 scale). Every piece is traced into
+very pieces its estimate composes). Every piece is traced into
 the planner's :class:`~k3train.planning.memory.cache.EstimateCache` (the estimates reuse them; with a store, kept
 across plans).
 """

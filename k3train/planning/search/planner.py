@@ -246,14 +246,15 @@ class _Hooks:
     def core_memory(self, core: Core) -> int:
         """The memory bound of ``core``'s least memory-hungry layout (top ZeRO stage, recomputation, no MoonEP,
         unpaired): its static bound refined with the token mixers' pieces where they are traced already (in this
-        plan or the store), as the search refines a row's when it comes up -- so that a core none of whose layouts fits is left out whole, before any of its rows is
-        made or bounded in time (0 when the rows are made up front: every row is bounded then)."""
+        plan or the store), as the search refines a row's when it comes up -- so that a core none of whose layouts
+        fits is left out whole, before any of its rows is made or bounded in time (0 when the rows are made up
+        front: every row is bounded then)."""
         if self.materialized:
             return 0
         z = max(self.space.knobs["zero"])
         least = self._row(self._knobs(core, zero=z, moonep=False, recompute=True, overlap_ep=False), core)
         self.bounds.static(least)
-        if least.mem_bound <= self.bounds.hbm:  # (with the pieces traced already: a new cp's take seconds)
+        if least.mem_bound <= self.bounds.hbm:  # a new cp's mixer trace takes seconds: left to its rows
             self.bounds.with_mixers(least, trace=False)
             least.mem_bound = max(least.mem_bound, self.bounds.bound[least.bound_key])
         return least.mem_bound
